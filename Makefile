@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine: `make test` (the suite) and, once the end-to-end
+# pipeline lands, `make demo`. Both create .venv on first use.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint venv clean bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Without CUDA, torch must come from the pinned CPU wheel *before* anything depends on it;
+	# an unpinned resolve would pull a multi-GB CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+	    $(BIN)/python -m pip install -q torch; \
+	else \
+	    $(BIN)/python -m pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python bench/temporal_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,23 @@
+"""tdlm: temporal self-conditioning (TDLM) on frozen masked-diffusion language models."""
+
+from tdlm.adapter import TemporalAttention, resolve_layers, temporal_parameter_count
+from tdlm.errors import TDLMError
+from tdlm.history import HistoryPolicy, TemporalCache
+from tdlm.model import TDLM, TemporalConfig
+from tdlm.models import PRESETS, Backbone, load_backbone, save_pretrained
+
+__all__ = [
+    "TDLM",
+    "PRESETS",
+    "Backbone",
+    "HistoryPolicy",
+    "TDLMError",
+    "TemporalAttention",
+    "TemporalCache",
+    "TemporalConfig",
+    "load_backbone",
+    "resolve_layers",
+    "save_pretrained",
+    "temporal_parameter_count",
+]
+__version__ = "0.1.0"

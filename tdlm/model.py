@@ -1,0 +1,307 @@
+"""TDLM: a frozen masked-diffusion backbone with temporal attention at selected layers.
+
+Two evaluation modes compute the same function (Prop. 2):
+
+* **parallel** over K sampled states of one trajectory, ``forward_states(input_ids (B, K, L))``:
+  spatial attention runs on each state independently; at a temporal layer the causal mask
+  A_{p,i,j} = 1[j < i] m_{j,p} (Section 2.3, restricted further by the history policy) lets S_i
+  retrieve from earlier sampled states. Keys/values come from h *before* the layer's correction, so
+  all states are evaluated together layer by layer. Used for training (Eq. 5).
+* **step-wise** with a cache, ``forward_step(input_ids (B, L), prompt_len, cache)``: one denoiser
+  evaluation during decoding, retrieving earlier entries and appending its own (Section 2.4).
+
+With every W_O = 0 both modes equal the backbone bit for bit (Prop. 1).
+
+Masked positions m_{i,p} are the response positions p >= prompt_len holding the mask token; r_i is
+the number of revealed response tokens. Batches are left-padded (prompts of different lengths end at
+the same index ``prompt_len``), so the response region is the same slice for every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tdlm.adapter import TemporalAttention, resolve_layers, sink_softmax, temporal_parameter_count
+from tdlm.errors import TDLMError
+from tdlm.history import HistoryPolicy, TemporalCache
+from tdlm.models.common import Backbone, ForwardContext
+
+ADAPTER_FORMAT_VERSION = 1
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass
+class TemporalConfig:
+    """Temporal module settings; ``None`` takes the backbone's default (paper Section 3.1)."""
+
+    layers: str | list[int] | None = None  # "dispersed:N" | "middle:N" | "all" | [indices]
+    heads: int | None = None  # M
+    head_dim: int | None = None  # d_h; d_t = M * d_h
+    history: str = "full"  # "full" | "last:k" | "current"
+    rope_base: float = 10000.0  # temporal RoPE base (Eq. 7)
+
+    def resolved(self, backbone: Backbone) -> TemporalConfig:
+        d = backbone.default_temporal()
+        layers = self.layers if self.layers is not None else d["layers"]
+        out = dataclasses.replace(
+            self,
+            layers=resolve_layers(layers, backbone.num_layers, backbone.backbone_id or backbone.family),
+            heads=self.heads if self.heads is not None else d["heads"],
+            head_dim=self.head_dim if self.head_dim is not None else d["head_dim"],
+            history=str(HistoryPolicy.parse(self.history)),
+        )
+        if out.heads < 1 or out.head_dim < 2:
+            raise TDLMError(f"temporal heads must be >= 1 and head_dim >= 2; got {out.heads} x {out.head_dim}")
+        return out
+
+
+class TDLM(nn.Module):
+    """Frozen backbone + temporal modules; only the temporal modules are trainable."""
+
+    def __init__(self, backbone: Backbone, config: TemporalConfig | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone.freeze()
+        self.config = (config or TemporalConfig()).resolved(backbone)
+        self.policy = HistoryPolicy.parse(self.config.history)
+        self.layer_ids: list[int] = list(self.config.layers)  # type: ignore[arg-type]
+        param = next(backbone.parameters())
+        self.temporal = nn.ModuleDict(
+            {
+                str(i): TemporalAttention(
+                    backbone.hidden_size, self.config.heads, self.config.head_dim, self.config.rope_base
+                )
+                for i in self.layer_ids
+            }
+        ).to(device=param.device, dtype=param.dtype if param.dtype.is_floating_point else torch.float32)
+        self.activation_checkpointing = False
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    @property
+    def mask_token_id(self) -> int:
+        return self.backbone.mask_token_id
+
+    def train(self, mode: bool = True) -> TDLM:
+        super().train(mode)
+        self.backbone.eval()  # the backbone is frozen; it never enters training mode
+        return self
+
+    def num_temporal_parameters(self) -> int:
+        return sum(p.numel() for p in self.temporal.parameters())
+
+    def expected_temporal_parameters(self) -> int:
+        return temporal_parameter_count(
+            self.backbone.hidden_size, len(self.layer_ids), self.config.heads, self.config.head_dim
+        )
+
+    def set_history(self, history: str | HistoryPolicy) -> None:
+        """Change the inference-time history restriction (Table 2) of a fixed checkpoint."""
+        self.policy = HistoryPolicy.parse(history)
+        self.config = dataclasses.replace(self.config, history=str(self.policy))
+
+    def new_cache(self, batch_size: int) -> TemporalCache:
+        return TemporalCache(batch_size=batch_size, policy=self.policy)
+
+    # -- shared pieces -------------------------------------------------------------------------
+    def _masked(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """m_{i,p} over the response region, (..., N) bool."""
+        return input_ids[..., prompt_len:] == self.backbone.mask_token_id
+
+    def _check_prompt_len(self, prompt_len: int, L: int) -> None:
+        if not isinstance(prompt_len, int) or not 0 <= prompt_len < L:
+            raise TDLMError(f"prompt_len must be an int in 0..{L - 1} for sequences of length {L}; got {prompt_len!r}")
+
+    def _run_layer(self, i: int, x: torch.Tensor, ctx: ForwardContext, insert) -> torch.Tensor:
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(self.backbone.layer, i, x, ctx, insert, use_reentrant=False)
+        return self.backbone.layer(i, x, ctx, insert)
+
+    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, insert) -> torch.Tensor:
+        x, ctx = self.backbone.prepare(input_ids, attention_mask)
+        first = self.layer_ids[0]
+        # Below the lowest temporal layer nothing depends on temporal parameters: no autograd there.
+        with torch.no_grad():
+            for i in range(first):
+                x = self.backbone.layer(i, x, ctx, None)
+        for i in range(first, self.backbone.num_layers):
+            x = self._run_layer(i, x, ctx, insert)
+        return self.backbone.head(x, ctx)
+
+    # -- parallel mode (training) --------------------------------------------------------------
+    def forward_states(
+        self,
+        input_ids: torch.Tensor,
+        prompt_len: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, K, L, V) for K states S_0..S_{K-1} of each trajectory, evaluated together.
+
+        input_ids (B, K, L) in trajectory order; attention_mask (B, L) or (B, K, L), 1 = token.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 3:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise TDLMError(f"forward_states expects input_ids of shape [B, K, L]; got shape {shape}")
+        B, K, L = input_ids.shape
+        self._check_prompt_len(prompt_len, L)
+        flat = input_ids.reshape(B * K, L)
+        self.backbone.check_input_ids(flat)
+        if attention_mask is not None:
+            if attention_mask.dim() == 2:
+                attention_mask = attention_mask[:, None].expand(B, K, L)
+            attention_mask = attention_mask.reshape(B * K, L)
+        masked = self._masked(input_ids, prompt_len)  # (B, K, N)
+        r = (~masked).sum(-1)  # (B, K) revealed response tokens r_i
+        allowed = self.policy.parallel_mask(K, input_ids.device)[None, None] & masked.transpose(1, 2)[:, :, None, :]
+        # allowed: (B, N, K_i, K_j) = policy(i, j) * m_{j,p}
+        mcol = masked.unsqueeze(-1)  # (B, K, N, 1)
+
+        def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
+            mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
+            if mod is None:
+                return h
+            hr = h[:, prompt_len:].reshape(B, K, L - prompt_len, -1)  # (B, K, N, d)
+            q, k, v = mod.project(hr, r[:, :, None])  # (B, K, N, M, dh)
+            scores = torch.einsum("binmd,bjnmd->bnmij", q, k) / mod.head_dim**0.5  # (B, N, M, Ki, Kj)
+            w = sink_softmax(scores, allowed[:, :, None], mod.sink)  # (B, N, M, Ki, Kj)
+            z = torch.einsum("bnmij,bjnmd->binmd", w.to(v.dtype), v)  # (B, K, N, M, dh)
+            delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
+            return torch.cat([h[:, :prompt_len], h[:, prompt_len:] + delta.reshape(B * K, L - prompt_len, -1)], 1)
+
+        logits = self._run(flat, attention_mask, insert)
+        return logits.view(B, K, L, -1)
+
+    # -- step-wise mode (decoding) -------------------------------------------------------------
+    def forward_step(
+        self,
+        input_ids: torch.Tensor,
+        prompt_len: int,
+        cache: TemporalCache,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, L, V) for one evaluation; retrieves from and appends to ``cache``."""
+        self.backbone.check_input_ids(input_ids)
+        B, L = input_ids.shape
+        self._check_prompt_len(prompt_len, L)
+        N = L - prompt_len
+        cache.check(B, prompt_len, N)
+        masked = self._masked(input_ids, prompt_len)  # (B, N)
+        r = (~masked).sum(-1)  # (B,)
+        mcol = masked.unsqueeze(-1)
+
+        def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
+            mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
+            if mod is None:
+                return h
+            hr = h[:, prompt_len:]  # (B, N, d)
+            q, k, v = mod.project(hr, r[:, None])  # (B, N, M, dh)
+            if self.policy.kind == "current":
+                keys, values, valid = k[:, None], v[:, None], masked[:, None]
+            else:
+                vis = cache.visible(layer)
+                cache.append(layer, k, v, masked)
+                if vis is None:
+                    return h  # cold start: only the zero-value sink (Prop. 1)
+                keys, values, valid = vis  # (B, H, N, M, dh), (B, H, N)
+            scores = torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5  # (B, N, M, H)
+            w = sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink)
+            z = torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values)  # (B, N, M, dh)
+            delta = mod.output(z, h) * mcol
+            return torch.cat([h[:, :prompt_len], hr + delta], 1)
+
+        logits = self._run(input_ids, attention_mask, insert)
+        cache.commit(masked)
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, prompt_len: int, cache: TemporalCache | None = None, **kw):
+        if cache is None:
+            return self.forward_states(input_ids, prompt_len, **kw)
+        return self.forward_step(input_ids, prompt_len, cache, **kw)
+
+    # -- adapter I/O ---------------------------------------------------------------------------
+    def adapter_config(self) -> dict:
+        bb = self.backbone
+        return {
+            "format_version": ADAPTER_FORMAT_VERSION,
+            "backbone": {
+                "id": bb.backbone_id,
+                "family": bb.family,
+                "hidden_size": bb.hidden_size,
+                "num_layers": bb.num_layers,
+                "vocab_size": bb.vocab_size,
+            },
+            "layers": list(self.layer_ids),
+            "heads": self.config.heads,
+            "head_dim": self.config.head_dim,
+            "history": str(self.policy),
+            "rope_base": self.config.rope_base,
+            "num_parameters": self.num_temporal_parameters(),
+        }
+
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"temporal.{k}": v.detach().cpu().contiguous() for k, v in self.temporal.state_dict().items()}
+
+    def save_adapter(self, directory: str | os.PathLike) -> Path:
+        """Write ``adapter.safetensors`` + ``adapter_config.json`` (no backbone weights)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.adapter_state_dict(), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (out / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config(), indent=2) + "\n")
+        return out
+
+    @classmethod
+    def from_adapter(
+        cls, backbone: Backbone, directory: str | os.PathLike, history: str | None = None
+    ) -> TDLM:
+        """Attach a saved adapter to ``backbone``; dims are checked before any tensor is loaded."""
+        d = Path(directory)
+        cfg_path, w_path = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
+        for p in (cfg_path, w_path):
+            if not p.exists():
+                raise TDLMError(f"{d}: missing {p.name} (expected a folder written by TDLM.save_adapter)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
+        if raw.get("format_version") != ADAPTER_FORMAT_VERSION:
+            raise TDLMError(
+                f"{cfg_path}: format_version={raw.get('format_version')!r}; this tdlm reads version "
+                f"{ADAPTER_FORMAT_VERSION}"
+            )
+        bb = raw.get("backbone", {})
+        for field, have in (("hidden_size", backbone.hidden_size), ("num_layers", backbone.num_layers)):
+            if bb.get(field) != have:
+                raise TDLMError(
+                    f"{cfg_path}: adapter was trained for backbone.{field}={bb.get(field)} "
+                    f"({bb.get('id')}); this backbone has {field}={have} ({backbone.backbone_id})"
+                )
+        config = TemporalConfig(
+            layers=list(raw["layers"]),
+            heads=int(raw["heads"]),
+            head_dim=int(raw["head_dim"]),
+            history=history or raw.get("history", "full"),
+            rope_base=float(raw.get("rope_base", 10000.0)),
+        )
+        model = cls(backbone, config)
+        state = load_file(str(w_path))
+        expected = model.adapter_state_dict()
+        if set(state) != set(expected):
+            extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
+            raise TDLMError(f"{w_path}: tensors do not match adapter_config.json (missing {missing}, extra {extra})")
+        for k, t in state.items():
+            if t.shape != expected[k].shape:
+                raise TDLMError(
+                    f"{w_path}: tensor {k} has shape {tuple(t.shape)} but heads={config.heads} x "
+                    f"head_dim={config.head_dim} on hidden_size={backbone.hidden_size} needs "
+                    f"{tuple(expected[k].shape)}"
+                )
+        model.temporal.load_state_dict({k.removeprefix("temporal."): v for k, v in state.items()})
+        return model

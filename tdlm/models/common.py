@@ -1,0 +1,182 @@
+"""Pieces shared by the native backbones: RMSNorm, rotary embeddings, bidirectional attention and
+the :class:`Backbone` base class with its explicit temporal insertion point.
+
+A block is split into ``attend`` (pre-norm spatial attention + residual) and ``feed_forward``
+(pre-norm SwiGLU + residual). The representation between the two is ``h_{l,p}(S_i)`` of the TDLM
+paper (Section 2.2, Eq. 2): the point where a temporal correction is inserted. Callers that need it
+(``tdlm.TDLM``) drive the layer loop through :meth:`Backbone.prepare`, :meth:`Backbone.layer` and
+:meth:`Backbone.head`; nothing is patched or hooked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tdlm.errors import TDLMError
+
+# insert(layer_index, h) -> h~ ; h is (B, L, d), after spatial attention, before the FFN.
+InsertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in float32 (both LLaDA and Qwen2/Dream do this)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (B, 1, L, head_dim) for half-split RoPE at integer positions (B, L)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, L, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, L, hd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward tensors shared by all layers: rotary tables and the key-padding mask."""
+
+    cos: torch.Tensor  # (B, 1, L, hd)
+    sin: torch.Tensor  # (B, 1, L, hd)
+    attn_mask: torch.Tensor | None  # (B, 1, 1, L) bool, True = real token; None = no padding
+    first_token: torch.Tensor | None = None  # (B,) index of each row's first real token if padded
+
+
+def bidirectional_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Full (non-causal) SDPA; q (B, H, L, hd), k/v (B, Hkv, L, hd). Padding keys are excluded."""
+    enable_gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False, enable_gqa=enable_gqa)
+
+
+class Backbone(nn.Module):
+    """A frozen masked-diffusion denoiser ``input_ids (B, L) -> logits (B, L, V)``.
+
+    Subclasses define ``embed``, ``blocks`` (each with ``attend``/``feed_forward``), ``final`` and
+    the attributes below. Logits returned by :meth:`forward` / :meth:`head` are *aligned*: entry p
+    predicts the token at position p (Dream's shift is applied inside its backbone).
+    """
+
+    family: str = ""
+    mask_token_id: int
+    eos_token_id: int
+    pad_token_id: int
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    head_dim: int
+    rope_theta: float
+    backbone_id: str = ""
+
+    blocks: nn.ModuleList
+
+    # -- pieces -------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def default_temporal(self) -> dict:
+        """Default temporal allocation for this backbone (paper Section 3.1)."""
+        raise NotImplementedError
+
+    def config_dict(self) -> dict:
+        raise NotImplementedError
+
+    # -- the layer loop ------------------------------------------------------------------------
+    def check_input_ids(self, input_ids: torch.Tensor, what: str = "input_ids") -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise TDLMError(f"{what} must be a 2-D LongTensor [batch, length]; got shape {shape}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise TDLMError(f"{what} must hold integer token ids; got dtype {input_ids.dtype}")
+
+    def prepare(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ForwardContext]:
+        """Embeddings (B, L, d) and the per-forward context.
+
+        With an attention mask (1 = token, 0 = padding) rotary positions count real tokens only, so
+        a left-padded row sees exactly the positions it would see unpadded.
+        """
+        B, L = input_ids.shape
+        if attention_mask is None:
+            pos = torch.arange(L, device=input_ids.device).expand(B, L)
+            mask = None
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise TDLMError(
+                    f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; "
+                    f"got {tuple(attention_mask.shape)}"
+                )
+            am = attention_mask.to(torch.bool)
+            pos = (am.long().cumsum(-1) - 1).clamp(min=0)
+            mask = None if bool(am.all()) else am[:, None, None, :]
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta, x.dtype)
+        first = None if mask is None else am.long().argmax(-1)
+        return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first)
+
+    def layer(
+        self, index: int, x: torch.Tensor, ctx: ForwardContext, insert: InsertFn | None = None
+    ) -> torch.Tensor:
+        """One block: spatial attention, the Eq. 2 insertion point, then the feed-forward sublayer."""
+        block = self.blocks[index]
+        h = block.attend(x, ctx)  # (B, L, d): h_{l,p}(S_i)
+        if insert is not None:
+            h = insert(index, h)  # h~_{l,p}(S_i)
+        return block.feed_forward(h)
+
+    def head(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        return self.final(x, ctx)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        insert: InsertFn | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, L, V), aligned so that entry p predicts the token at p."""
+        self.check_input_ids(input_ids)
+        x, ctx = self.prepare(input_ids, attention_mask)
+        for i in range(self.num_layers):
+            x = self.layer(i, x, ctx, insert)
+        return self.head(x, ctx)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def freeze(self) -> Backbone:
+        for p in self.parameters():
+            p.requires_grad_(False)
+        return self.eval()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

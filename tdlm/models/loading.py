@@ -1,0 +1,226 @@
+"""Backbone construction and checkpoint I/O in the released folder format.
+
+``load_backbone(name_or_path)`` accepts
+
+* a preset name (``tiny-llada``, ``tiny-dream``): the real classes at toy size with seeded random
+  weights, for tests and benches;
+* a local folder holding ``config.json`` and ``model.safetensors`` or sharded ``*.safetensors`` with
+  ``model.safetensors.index.json`` (the layout of the LLaDA / Dream releases);
+* a Hub id (``GSAI-ML/LLaDA-8B-Instruct``) *only* if it is already in the local Hugging Face cache.
+  Nothing is downloaded implicitly.
+
+The model is built on the ``meta`` device and the safetensors tensors are assigned to it, so an 8B
+backbone never exists twice in memory. The result is frozen and in eval mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tdlm.errors import TDLMError
+from tdlm.models.common import Backbone
+from tdlm.models.dream import Dream, DreamConfig
+from tdlm.models.llada import LLaDA, LLaDAConfig
+
+# Toy sizes of the real architectures. Special ids match tdlm's local toy tokenizer layout
+# (0 pad, 1 eos, 2 mask, ...); 4 layers so that dispersed/middle allocations differ.
+PRESETS: dict[str, dict] = {
+    "tiny-llada": {
+        "family": "llada",
+        "seed": 1234,
+        "config": dict(
+            d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, mlp_hidden_size=176, vocab_size=128,
+            embedding_size=128, rope_theta=10000.0, rms_norm_eps=1e-5, max_sequence_length=1024,
+            mask_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="float32",
+            tdlm_temporal_default={"layers": "dispersed:2", "heads": 2, "head_dim": 16},
+        ),
+    },
+    "tiny-dream": {
+        "family": "dream",
+        "seed": 4321,
+        "config": dict(
+            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=176, vocab_size=128, rope_theta=10000.0, rms_norm_eps=1e-6,
+            max_position_embeddings=1024, mask_token_id=2, eos_token_id=1, pad_token_id=0,
+            torch_dtype="float32",
+            tdlm_temporal_default={"layers": "middle:2", "heads": 2, "head_dim": 16},
+        ),
+    },
+}
+
+_FAMILIES = {"llada": (LLaDA, LLaDAConfig), "dream": (Dream, DreamConfig)}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _family_of(raw: dict, source: str) -> str:
+    mt = str(raw.get("model_type", "")).lower()
+    archs = [a.lower() for a in raw.get("architectures", []) or []]
+    if mt == "llada" or any("llada" in a for a in archs):
+        return "llada"
+    if mt == "dream" or any("dream" in a for a in archs):
+        return "dream"
+    raise TDLMError(
+        f"{source}: model_type={raw.get('model_type')!r} is not a supported backbone "
+        f"(expected 'llada' or 'Dream')"
+    )
+
+
+def build_backbone(family: str, config: dict, source: str = "config") -> Backbone:
+    """Instantiate a backbone from a release-style config dict (weights uninitialised)."""
+    cls, cfg_cls = _FAMILIES[family]
+    return cls(cfg_cls.from_dict(config, source))
+
+
+def _init_weights(model: Backbone, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".ln_f." in name or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, cfg_dtype: str | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or cfg_dtype or "float32"
+    if name not in _DTYPES:
+        raise TDLMError(f"dtype must be one of {sorted(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def _resolve_folder(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise TDLMError(f"{name_or_path}: expected a checkpoint folder, found a file")
+    # A Hub id is accepted only from the local cache: tdlm never downloads weights implicitly.
+    if "/" in name_or_path and not name_or_path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name_or_path, local_files_only=True))
+        except Exception:
+            pass
+    raise TDLMError(
+        f"unknown backbone {name_or_path!r}: not a preset ({', '.join(PRESETS)}), not a local folder, "
+        f"and not in the local Hugging Face cache (tdlm never downloads; fetch it with "
+        f"`huggingface-cli download <repo> --local-dir <dir>` and pass the folder)"
+    )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise TDLMError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from e
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise TDLMError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise TDLMError(
+        f"{folder}: no weights found (expected model.safetensors, or *.safetensors shards with "
+        f"model.safetensors.index.json)"
+    )
+
+
+def load_backbone(
+    name_or_path: str,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+) -> Backbone:
+    """Return a frozen backbone in eval mode (preset name, local folder, or locally cached Hub id)."""
+    if name_or_path in PRESETS:
+        preset = PRESETS[name_or_path]
+        model = build_backbone(preset["family"], preset["config"], name_or_path)
+        _init_weights(model, preset["seed"])
+        model = model.to(device=device, dtype=_resolve_dtype(dtype, "float32"))
+        model.backbone_id = name_or_path
+        return model.freeze()
+
+    folder = _resolve_folder(name_or_path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
+    family = _family_of(raw, str(cfg_path))
+    files = _weight_files(folder)
+    target = _resolve_dtype(dtype, raw.get("torch_dtype"))
+    with torch.device("meta"):
+        model = build_backbone(family, raw, str(cfg_path))
+    expected = dict(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as fh:
+            for key in fh.keys():
+                if key not in expected:
+                    if key.endswith("rotary_emb.inv_freq"):
+                        continue  # a derived buffer some exports include
+                    raise TDLMError(f"{f}: unexpected tensor {key!r} for a {family} backbone")
+                t = fh.get_tensor(key)
+                if tuple(t.shape) != tuple(expected[key].shape):
+                    raise TDLMError(
+                        f"{f}: tensor {key!r} has shape {tuple(t.shape)}; config.json implies "
+                        f"{tuple(expected[key].shape)}"
+                    )
+                state[key] = t.to(target)
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise TDLMError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
+    model.load_state_dict(state, assign=True)
+    model.backbone_id = str(raw.get("_name_or_path") or name_or_path)
+    return model.to(device).freeze()
+
+
+def save_pretrained(model: Backbone, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Write ``config.json`` + safetensors shards + ``model.safetensors.index.json`` (release layout)."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        name = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    cfg = model.config_dict()
+    dtypes = {t.dtype for t in state.values()}
+    cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+        dtypes.pop() if len(dtypes) == 1 else torch.float32
+    ]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
