@@ -1,6 +1,8 @@
 """tdlm: temporal self-conditioning (TDLM) on frozen masked-diffusion language models."""
 
+from tdlm import tokenizer, trajectories
 from tdlm.adapter import TemporalAttention, resolve_layers, temporal_parameter_count
+from tdlm.decoding import DecodeConfig, DecodeResult, decode
 from tdlm.errors import TDLMError
 from tdlm.history import HistoryPolicy, TemporalCache
 from tdlm.model import TDLM, TemporalConfig
@@ -10,6 +12,11 @@ __all__ = [
     "TDLM",
     "PRESETS",
     "Backbone",
+    "DecodeConfig",
+    "DecodeResult",
+    "decode",
+    "tokenizer",
+    "trajectories",
     "HistoryPolicy",
     "TDLMError",
     "TemporalAttention",
