@@ -67,7 +67,7 @@ class TemporalAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, d_t, bias=False)
         self.v_proj = nn.Linear(hidden_size, d_t, bias=False)
         self.o_proj = nn.Linear(d_t, hidden_size, bias=False)  # W^O_l, zero at init
-        self.sink = nn.Parameter(torch.zeros(()))  # b_l
+        self.sink = nn.Parameter(torch.zeros(1))  # b_l (1-D: ZeRO-3 cannot partition 0-d tensors)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -86,6 +86,18 @@ class TemporalAttention(nn.Module):
         v = self.v_proj(x).view(shape)
         r = r.expand(h.shape[:-1])
         return temporal_rope(q, r, self.rope_base), temporal_rope(k, r, self.rope_base), v
+
+    def project_query(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """q = R(r) W_Q h (..., M, d_h) alone (Eq. 7), for memories whose keys are not entries of h."""
+        q = self.q_proj(h.to(self.q_proj.weight.dtype)).unflatten(-1, (self.heads, self.head_dim))
+        return temporal_rope(q, r.expand(h.shape[:-1]), self.rope_base)
+
+    def project_key_value(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k = R(r) W_K x, v = W_V x (..., M, d_h) of memory vectors x (..., d) at progress r."""
+        x = x.to(self.k_proj.weight.dtype)
+        k = self.k_proj(x).unflatten(-1, (self.heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.heads, self.head_dim))
+        return temporal_rope(k, r.expand(x.shape[:-1]), self.rope_base), v
 
     def output(self, z: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """z (..., M, d_h) -> W_O concat_a z_a (..., d) (Eq. 10), in the dtype of ``like``."""

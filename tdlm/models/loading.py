@@ -224,3 +224,93 @@ def save_pretrained(model: Backbone, folder: str | os.PathLike, max_shard_bytes:
     ]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _key_index(files: list[Path]) -> dict[str, Path]:
+    index: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                index[key] = f
+    return index
+
+
+def load_backbone_partitioned(
+    name_or_path: str, ds_config: dict, dtype: torch.dtype | str | None = None
+) -> Backbone:
+    """Build the backbone under ``deepspeed.zero.Init`` (ZeRO-3) so no rank ever holds all weights.
+
+    Every parameter is created partitioned; its tensor is then gathered one at a time, written by
+    rank 0 from the checkpoint (or the preset's seeded init) and re-partitioned on exit. Writing
+    inside ``GatheredParameters(modifier_rank=0)`` is required: values set on the partitioned
+    placeholder would be lost (see shared notes on zero.Init).
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if name_or_path in PRESETS:
+        preset = PRESETS[name_or_path]
+        family, raw, backbone_id = preset["family"], preset["config"], name_or_path
+        target = _resolve_dtype(dtype, "float32")
+        full = load_backbone(name_or_path, dtype=target) if rank == 0 else None
+        get = (lambda key: full.state_dict()[key]) if full is not None else None
+    else:
+        folder = _resolve_folder(name_or_path)
+        cfg_path = folder / "config.json"
+        if not cfg_path.exists():
+            raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+        raw = json.loads(cfg_path.read_text())
+        family = _family_of(raw, str(cfg_path))
+        target = _resolve_dtype(dtype, raw.get("torch_dtype"))
+        backbone_id = str(raw.get("_name_or_path") or name_or_path)
+        index = _key_index(_weight_files(folder))
+
+        def get(key: str) -> torch.Tensor:
+            if key not in index:
+                raise TDLMError(f"{folder}: checkpoint lacks tensor {key!r}")
+            with safe_open(str(index[key]), framework="pt") as fh:
+                return fh.get_tensor(key)
+
+    # dtype is left to the DS config (bf16.enabled): deepspeed 0.19's zero.Init ignores an explicit
+    # float32 on accelerators without fp16 (CPU) and silently builds bf16 parameters.
+    # mem_efficient_linear=False: its F.linear patch would persist process-wide.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config, mem_efficient_linear=False):
+        model = build_backbone(family, raw, name_or_path)
+    built = next(model.parameters()).dtype
+    if built != target:
+        raise TDLMError(f"ZeRO-3 builds {built} parameters from the DeepSpeed config but {target} was requested; "
+                        f"set bf16.enabled in the DS config to match model.dtype")
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if rank == 0:
+                t = get(name)
+                if tuple(t.shape) != tuple(p.shape):
+                    raise TDLMError(f"{name_or_path}: tensor {name!r} has shape {tuple(t.shape)}; "
+                                    f"config implies {tuple(p.shape)}")
+                p.data.copy_(t.to(p.dtype))
+    model.backbone_id = backbone_id
+    return model.freeze()
+
+
+def load_backbone_meta(name_or_path: str) -> Backbone:
+    """The backbone's structure on the ``meta`` device (no weights): for checks before a launch."""
+    if name_or_path in PRESETS:
+        preset = PRESETS[name_or_path]
+        family, raw, backbone_id = preset["family"], preset["config"], name_or_path
+    else:
+        folder = _resolve_folder(name_or_path)
+        cfg_path = folder / "config.json"
+        if not cfg_path.exists():
+            raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
+        family = _family_of(raw, str(cfg_path))
+        _weight_files(folder)
+        backbone_id = str(raw.get("_name_or_path") or name_or_path)
+    with torch.device("meta"):
+        model = build_backbone(family, raw, name_or_path)
+    model.backbone_id = backbone_id
+    return model.freeze()

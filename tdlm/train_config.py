@@ -1,0 +1,67 @@
+"""Run configuration of ``launcher/train.py`` (YAML in ``configs/`` only sets these values)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    backbone: str = "tiny-llada"  # preset name or checkpoint folder
+    layers: str | list[int] | None = None  # temporal allocation; None = backbone default (paper 3.1)
+    heads: int | None = None
+    head_dim: int | None = None
+    history: str = "full"  # history policy used in training (parallel mode supports full/last:k/current)
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU; or float32 / bfloat16
+
+
+@dataclass
+class DataConfig:
+    trajectories: str = "runs/tiny/trajectories"  # folder of shard-*.parquet (+ manifest.json)
+    states: int = 8  # K sampled inputs per trajectory (Section 2.3)
+    seed: int = 0  # data order and state sampling
+    allow_foreign_backbone: bool = False  # accept shards whose backbone_id differs from the backbone
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at max_steps
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainLoopConfig:
+    micro_batch_size: int = 4  # trajectories per rank per micro-step
+    grad_accum: int = 1
+    max_steps: int = 750  # optimizer updates (paper: 750)
+    save_every: int = 250  # checkpoint interval in updates (0 = only at the end)
+    log_every: int = 1
+    seed: int = 0
+    zero_stage: int | None = None  # None = take the DS config's stage; a number must agree with it
+    activation_checkpointing: bool | None = None  # None = on iff the DS config has activation_checkpointing
+    verify_frozen: bool = False  # fingerprint the backbone before/after training (summary.checks)
+    verify_export: bool = False  # compare engine logits with the exported adapter (summary.checks)
+
+
+@dataclass
+class WandbConfig:
+    project: str = "tdlm"
+    group: str | None = None  # the experiment / comparison; default: output folder name
+    name: str | None = None
+    mode: str | None = None  # None = WANDB_MODE, else offline when no API key is configured
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    output_dir: str = "runs/train"

@@ -1,0 +1,345 @@
+"""Training the temporal modules with DeepSpeed (paper Section 2.3 objective, Eq. 5).
+
+The recipe, as numbered steps (each a function below):
+
+1. ``setup``: distributed init, resolve the DS JSON against the run config, load the frozen backbone
+   (partitioned at load under ``deepspeed.zero.Init`` for ZeRO-3), attach the temporal modules, build
+   the per-rank trajectory stream and a DeepSpeed engine that owns only the temporal parameters.
+2. ``train_step``: the step's micro-batches are built first so the *global* supervised-token count
+   is known (all-reduced); each micro-batch runs the parallel forward over its K sampled states and
+   backpropagates ``sum CE / (global_tokens / (world * accum))``. DeepSpeed's own 1/accum and
+   1/world averaging then leaves exactly Eq. 5: the mean CE over every supervised token of the step.
+3. logging (rank 0): loss, supervised tokens/s, step time, peak memory, LR -> progress bar,
+   ``metrics.jsonl`` and W&B; checkpoints every ``save_every`` steps and at the end.
+4. ``export_adapter``: gathers the fp32 master weights of the temporal modules and writes
+   ``adapter.safetensors`` + ``adapter_config.json`` (usable with ``TDLM.from_adapter``, no DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tdlm.config import to_dict
+from tdlm.data import TrajectoryStream
+from tdlm.ds_config import resolve_ds_config, uses_activation_checkpointing
+from tdlm.errors import TDLMError
+from tdlm.model import TDLM, TemporalConfig
+from tdlm.tracking import NullTracker, Tracker
+from tdlm.train_config import RunConfig
+from tdlm.trajectories import trajectory_loss
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+@dataclass
+class Session:
+    run: RunConfig
+    ds_config: dict
+    engine: object
+    model: TDLM
+    stream: TrajectoryStream
+    device: torch.device
+    rank: int
+    world: int
+    tracker: NullTracker
+    start_step: int = 0
+
+
+def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
+    if run.model.dtype == "auto":
+        return torch.bfloat16 if on_gpu else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[run.model.dtype]
+
+
+def validate_run(run: RunConfig) -> None:
+    """Checks that need no backbone or cluster (run before distributed start-up)."""
+    if run.model.dtype not in ("auto", "float32", "bfloat16"):
+        raise TDLMError(f"model.dtype must be auto, float32 or bfloat16; got {run.model.dtype!r}")
+    for name in ("micro_batch_size", "grad_accum", "max_steps"):
+        if getattr(run.train, name) < 1:
+            raise TDLMError(f"train.{name} must be >= 1; got {getattr(run.train, name)}")
+    from tdlm.history import HistoryPolicy
+
+    HistoryPolicy.parse(run.model.history)
+
+
+def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool) -> dict:
+    """Every check that can fail on user input, before any process group or weight exists.
+
+    Resolves the DS config against the run config, builds the backbone on the meta device to check
+    the layer allocation, and reads + validates every trajectory shard against the backbone.
+    """
+    from tdlm.models.loading import load_backbone_meta
+
+    validate_run(run)
+    ds_cfg = resolve_ds_config(ds_raw, run, world_size, on_gpu)
+    meta = load_backbone_meta(run.model.backbone)
+    TemporalConfig(layers=run.model.layers, heads=run.model.heads, head_dim=run.model.head_dim,
+                   history=run.model.history).resolved(meta)
+    TrajectoryStream(run.data.trajectories, meta, run.data.states, run.train.micro_batch_size, world_size, 0,
+                     run.data.seed, run.data.allow_foreign_backbone)
+    return ds_cfg
+
+
+def frozen_fingerprint(model: TDLM) -> str:
+    """sha256 over the backbone's weights (gathered one at a time under ZeRO-3; collective)."""
+    import hashlib
+
+    import deepspeed
+
+    h = hashlib.sha256()
+    for name, p in model.backbone.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def setup(run: RunConfig, ds_raw: dict, resume: bool = False) -> Session:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from tdlm.models.loading import load_backbone, load_backbone_partitioned
+
+    acc = get_accelerator()
+    on_gpu = acc.device_name() == "cuda"
+    preflight(run, ds_raw, int(os.environ.get("WORLD_SIZE", "1")), on_gpu)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(acc.device_name(local_rank)) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        acc.set_device(local_rank)
+    torch.manual_seed(run.train.seed)
+    ds_cfg = resolve_ds_config(ds_raw, run, world, on_gpu)
+    dtype = _dtype(run, on_gpu)
+    stage = int(ds_cfg["zero_optimization"].get("stage", 0))
+    if stage == 3:
+        backbone = load_backbone_partitioned(run.model.backbone, ds_cfg, dtype=dtype)
+    else:
+        backbone = load_backbone(run.model.backbone, dtype=dtype, device=device)
+    model = TDLM(backbone, TemporalConfig(layers=run.model.layers, heads=run.model.heads,
+                                          head_dim=run.model.head_dim, history=run.model.history))
+    # Adapters attached after a partitioned load are not cast by the engine: match the backbone now.
+    model.temporal.to(device=device, dtype=dtype)
+    model.activation_checkpointing = uses_activation_checkpointing(ds_cfg, run)
+    stream = TrajectoryStream(run.data.trajectories, backbone, run.data.states, run.train.micro_batch_size,
+                              world, rank, run.data.seed, run.data.allow_foreign_backbone)
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = run.optim
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=params, config=ds_cfg,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_lambda(s, o.warmup_steps, run.train.max_steps, o.min_lr_ratio)),
+    )
+    if stage == 3:
+        # Some temporal parameters (the sink logit, latent slots) are read directly rather than
+        # through a submodule call, so ZeRO-3's per-module hooks would never gather them: declare
+        # them used by the root forward.
+        for p in model.temporal.parameters():
+            deepspeed.zero.register_external_parameter(model, p)
+    out = Path(run.output_dir)
+    tracker: NullTracker = NullTracker()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "run_config.json").write_text(json.dumps(to_dict(run), indent=2) + "\n")
+        (out / "ds_config.json").write_text(json.dumps(ds_cfg, indent=2) + "\n")
+        config = to_dict(run) | {"resolved": {"layers": model.layer_ids, "heads": model.config.heads,
+                                              "head_dim": model.config.head_dim, "world_size": world,
+                                              "zero_stage": stage, "dtype": str(dtype),
+                                              "activation_checkpointing": model.activation_checkpointing,
+                                              "temporal_parameters": model.num_temporal_parameters()}}
+        tracker = Tracker(out, run.wandb.project, run.wandb.group or out.name, run.wandb.name, config,
+                          run.wandb.mode)
+    sess = Session(run, ds_cfg, engine, model, stream, device, rank, world, tracker)
+    if resume:
+        sess.start_step = load_checkpoint(sess)
+    return sess
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def save_checkpoint(sess: Session, step: int) -> None:
+    """DeepSpeed checkpoint of the temporal modules + optimizer, with the data position (= step)."""
+    ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
+    sess.engine.save_checkpoint(str(ckpt), tag=f"step-{step}", exclude_frozen_parameters=True,
+                                client_state={"step": step, "config": to_dict(sess.run)})
+
+
+def load_checkpoint(sess: Session) -> int:
+    ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
+    if not (ckpt / "latest").exists():
+        raise TDLMError(f"--resume: no checkpoint in {ckpt} (nothing to resume)")
+    path, client = sess.engine.load_checkpoint(str(ckpt), load_module_strict=False)
+    if path is None:
+        raise TDLMError(f"--resume: DeepSpeed could not load the checkpoint in {ckpt}")
+    saved = client.get("config", {})
+    for section in ("model", "data"):
+        if saved.get(section) != to_dict(sess.run)[section]:
+            raise TDLMError(f"--resume: run config section '{section}' differs from the checkpoint's "
+                            f"({ckpt}); resume with the same model and data settings")
+    step = int(client["step"])
+    sess.tracker.truncate(step)
+    return step
+
+
+# -- the step --------------------------------------------------------------------------------------
+def train_step(sess: Session, step: int) -> dict:
+    import torch.distributed as dist
+
+    engine = sess.engine
+    accum = sess.run.train.grad_accum
+    batches = [b.to(sess.device) for b in sess.stream.step_batches(step, accum)]
+    counts = torch.tensor([float(sum(b.num_targets for b in batches))], device=sess.device)
+    dist.all_reduce(counts)
+    global_tokens = float(counts.item())
+    norm = max(global_tokens, 1.0) / (sess.world * accum)
+    t0 = time.perf_counter()
+    ce_total = torch.zeros((), device=sess.device, dtype=torch.float64)
+    for b in batches:
+        logits = engine(b.input_ids, b.prompt_len, attention_mask=b.attention_mask)
+        ce_sum, _ = trajectory_loss(logits, b.labels)
+        engine.backward(ce_sum / norm)
+        engine.step()
+        ce_total += ce_sum.detach().double()
+    dist.all_reduce(ce_total)
+    if sess.device.type == "cuda":
+        torch.cuda.synchronize(sess.device)
+    dt = time.perf_counter() - t0
+    lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
+    return {
+        "loss": float(ce_total.item()) / max(global_tokens, 1.0),
+        "supervised_tokens": int(global_tokens),
+        "tokens_per_s": global_tokens / dt,
+        "step_time_s": dt,
+        "lr": lr,
+        "peak_mem_mb": peak_memory_mb(sess.device),
+    }
+
+
+def export_adapter(sess: Session, directory: str | Path) -> Path | None:
+    """fp32 master weights of the temporal modules -> adapter folder (collective; rank 0 writes)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    state = {}
+    for name, p in sess.model.temporal.named_parameters():
+        full = safe_get_full_fp32_param(p)  # collective under ZeRO-3
+        if full is None:  # stage 0: the module weight is the master
+            full = p.detach().float()
+        state[f"temporal.{name}"] = full.detach().cpu().float().contiguous()
+    if sess.rank != 0:
+        return None
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    cfg = sess.model.adapter_config() | {"training": {"steps": sess.run.train.max_steps,
+                                                      "trajectories": len(sess.stream)}}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def verify_export(sess: Session, adapter_dir: Path) -> float | None:
+    """Max |logit difference| between the engine and ``TDLM.from_adapter`` on a probe batch.
+
+    All ranks run the engine forward (collective under ZeRO-3); rank 0 loads the exported adapter
+    onto a fresh, non-distributed copy of the backbone and compares.
+    """
+    from tdlm.models.loading import load_backbone
+
+    probe = sess.stream.micro_batch(0).to(sess.device)
+    sess.engine.eval()
+    with torch.no_grad():
+        ref = sess.engine(probe.input_ids, probe.prompt_len, attention_mask=probe.attention_mask)
+    sess.engine.train()
+    if sess.rank != 0:
+        return None
+    bb = load_backbone(sess.run.model.backbone, dtype=ref.dtype, device=sess.device)
+    fresh = TDLM.from_adapter(bb, adapter_dir, history=sess.run.model.history)
+    fresh.temporal.to(ref.dtype)
+    with torch.no_grad():
+        out = fresh.forward_states(probe.input_ids, probe.prompt_len, attention_mask=probe.attention_mask)
+    return float((out.float() - ref.float()).abs().max())
+
+
+def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = True) -> dict:
+    """Run the whole job; returns the summary (rank 0; other ranks return an empty dict)."""
+    sess = setup(run, ds_raw, resume)
+    total = run.train.max_steps
+    fingerprint = frozen_fingerprint(sess.model) if run.train.verify_frozen else None
+    bar = None
+    if sess.rank == 0 and progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=sess.start_step, desc="train", unit="step", dynamic_ncols=True)
+    last: dict = {}
+    t_start = time.perf_counter()
+    tokens_seen = 0
+    for step in range(sess.start_step, total):
+        metrics = train_step(sess, step)
+        tokens_seen += metrics["supervised_tokens"]
+        last = metrics
+        done = step + 1
+        if done % run.train.log_every == 0 or done == total:
+            sess.tracker.log(metrics, done)
+        if bar is not None:
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                            tok_s=f"{metrics['tokens_per_s']:.0f}")
+            bar.update(1)
+        if run.train.save_every and done % run.train.save_every == 0 and done != total:
+            save_checkpoint(sess, done)
+    if bar is not None:
+        bar.close()
+    save_checkpoint(sess, total)
+    adapter_dir = Path(run.output_dir) / "adapter"
+    export_adapter(sess, adapter_dir)
+    checks: dict = {}
+    if fingerprint is not None:
+        checks["frozen_backbone_unchanged"] = frozen_fingerprint(sess.model) == fingerprint
+    if run.train.verify_export:
+        checks["export_max_abs_diff"] = verify_export(sess, adapter_dir)
+    summary: dict = {}
+    if sess.rank == 0:
+        summary = {
+            "checks": checks,
+            "steps": total,
+            "resumed_from": sess.start_step,
+            "final_loss": last.get("loss"),
+            "supervised_tokens": tokens_seen,
+            "wall_s": time.perf_counter() - t_start,
+            "peak_mem_mb": last.get("peak_mem_mb"),
+            "temporal_parameters": sess.model.num_temporal_parameters(),
+            "layers": sess.model.layer_ids,
+            "world_size": sess.world,
+            "zero_stage": int(sess.ds_config["zero_optimization"].get("stage", 0)),
+            "adapter": str(adapter_dir),
+            "config": dataclasses.asdict(run),
+        }
+        sess.tracker.finish(summary)
+    return summary
