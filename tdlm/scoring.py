@@ -43,7 +43,7 @@ from tdlm.errors import TDLMError
 from tdlm.sandbox import SandboxLimits, SandboxResult, run_python
 from tdlm.tasks.base import Problem
 
-MATH_TASKS = ("gsm8k", "math500")
+MATH_TASKS = ("gsm8k", "math500", "arith")
 CODE_TASKS = ("mbpp",)
 MATH_TIMEOUT_S = 5  # Math-Verify's per-parse / per-comparison limit (its default)
 HARD_TIMEOUT_S = 60.0  # Scorer: whole math job, incl. up to 2 parses and a few comparisons
@@ -78,12 +78,13 @@ def _configs() -> dict[str, Any]:
         "pred": [LatexExtractionConfig(), ExprExtractionConfig()],
         "gsm8k": [ExprExtractionConfig()],
         "math500": [LatexExtractionConfig(boxed_match_priority=0)],
+        "arith": [ExprExtractionConfig()],
     }
 
 
 def gold_text(task: str, answer: str) -> str:
     """The string that is parsed as gold: the GSM8K number as is, the MATH-500 answer inside ``\\boxed{}``."""
-    if task == "gsm8k":
+    if task in ("gsm8k", "arith"):
         return answer.replace(",", "").strip()
     if task == "math500":
         return f"\\boxed{{{answer}}}"

@@ -9,6 +9,7 @@
 | gsm8k     | openai/gsm8k main test       | 1,319    | gsm8k-v1       | accuracy |
 | math500   | HuggingFaceH4/MATH-500 test  | 500      | math500-v1     | accuracy |
 | mbpp      | mbpp sanitized test          | 257      | mbpp-v1        | pass@1   |
+| arith     | generated (tdlm.toydata)     | 500      | arith-v1       | accuracy |
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ import os
 from collections.abc import Callable
 
 from tdlm.errors import TDLMError
-from tdlm.tasks import gsm8k, math500, mbpp
+from tdlm.tasks import arith, gsm8k, math500, mbpp
 from tdlm.tasks.base import DATA_DIR_ENV, Problem, Task
 
-_LOADERS: dict[str, Callable[..., Task]] = {gsm8k.NAME: gsm8k.load, math500.NAME: math500.load, mbpp.NAME: mbpp.load}
+_LOADERS: dict[str, Callable[..., Task]] = {
+    gsm8k.NAME: gsm8k.load, math500.NAME: math500.load, mbpp.NAME: mbpp.load, arith.NAME: arith.load
+}
 TASK_NAMES: tuple[str, ...] = tuple(_LOADERS)
 PROMPT_VERSIONS: dict[str, str] = {
     gsm8k.NAME: gsm8k.PROMPT_VERSION,
     math500.NAME: math500.PROMPT_VERSION,
     mbpp.NAME: mbpp.PROMPT_VERSION,
+    arith.NAME: arith.PROMPT_VERSION,
 }
 
 
