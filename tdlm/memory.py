@@ -294,7 +294,7 @@ def _inventory(spec: BackboneSpec, layers: str | None, heads: int | None, head_d
         backbone.backbone_id = spec.name
         lay = None if layers is None else (json.loads(layers) if layers.startswith("[") else layers)
         model = TDLM(backbone, TemporalConfig(layers=lay, heads=heads, head_dim=head_dim))
-    if model.num_latents:
+    if getattr(model, "num_latents", 0):
         raise TDLMError("history 'latent:M' is not modelled by the memory planner")
     units = tuple(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return Inventory(
