@@ -1,0 +1,119 @@
+"""Teacher trajectory generation on a Ray cluster: resumable, fault-tolerant (logic: tdlm/generation/).
+
+Commands (from the repository root, venv active)::
+
+    # local: starts a fresh Ray cluster on this machine (CPU replicas, or one per GPU)
+    python ray_jobs/generate_trajectories.py --backbone tiny-llada \\
+        --prompts ../shared/benchmarks/gsm8k_test.jsonl --prompt-field question --num-prompts 64 \\
+        --policy original --gen-length 32 --block-size 8 --shard-size 16 --batch-size 8 \\
+        --output-dir runs/traj-tiny
+
+    # a cluster: start the head (and workers with `ray start --address <head>:6379`), then submit.
+    # Paths are read on the cluster: give an absolute --output-dir (the job runs in a temporary copy of
+    # the working dir; a relative one is refused), and the checkpoint / adapter must exist on every
+    # node. The entrypoint runs `python` from the head's PATH: it must be the environment with tdlm's
+    # dependencies (on a venv-only machine write its absolute path, e.g. /work/main/.venv/bin/python).
+    ray start --head --dashboard-host 0.0.0.0
+    ray job submit --address http://<head>:8265 --working-dir . -- \\
+        python ray_jobs/generate_trajectories.py --backbone /data/LLaDA-8B-Instruct \\
+        --prompts openai/gsm8k --prompt-config main --prompt-split train --prompt-field question \\
+        --policy threshold --tau 0.9 --gen-length 256 --block-size 32 \\
+        --shard-size 256 --batch-size 16 --output-dir /data/traj/llada-gsm8k-train
+    ray job logs --follow <submission id>      # progress lines: prompts done / total, traj/s, ETA
+
+    # TDLM teacher (policy tdlm) with a trained adapter
+    python ray_jobs/generate_trajectories.py --backbone tiny-llada --adapter runs/adapter \\
+        --policy tdlm --prompts ../shared/benchmarks/gsm8k_test.jsonl --output-dir runs/traj-tdlm
+
+Rerunning the same command resumes: finished shards are verified (sha256 in manifest.json) and
+skipped; changed settings are refused. Without ``--address`` the script uses ``RAY_ADDRESS`` (set by
+``ray job submit``), else starts a local cluster. Errors print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import datasets
+
+from tdlm.decoding import POLICIES, DecodeConfig
+from tdlm.errors import TDLMError
+from tdlm.generation import GenerationConfig, generate
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where there is one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def parse_args(argv: list[str] | None = None) -> GenerationConfig:
+    d = GenerationConfig  # defaults live in the dataclass only
+    p = argparse.ArgumentParser(
+        description="Decode every prompt once with a frozen backbone on Ray replicas and write "
+        "trajectory shards (shard-NNNNN.parquet) + manifest.json.",
+        formatter_class=_Help,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--backbone", required=True, help="preset (tiny-llada, tiny-dream) or checkpoint folder")
+    g.add_argument("--adapter", default=None, help="TDLM adapter folder (TDLM.save_adapter); required by --policy tdlm")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype (default: the checkpoint's torch_dtype)")  # fmt: skip
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompts", required=True,
+                   help="local .jsonl/.json/.parquet file, or a Hugging Face dataset name")  # fmt: skip
+    g.add_argument("--prompt-field", default=d.prompt_field, help="field / column holding the prompt text")
+    g.add_argument("--prompt-config", default=None, help="dataset config name (Hugging Face datasets)")
+    g.add_argument("--prompt-split", default=d.prompt_split, help="dataset split (Hugging Face datasets)")
+    g.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    g.add_argument("--no-chat", dest="chat", action="store_false",
+                   help="feed raw prompt text instead of the tokenizer's chat template")  # fmt: skip
+    g = p.add_argument_group("decoding (tdlm.decode)")
+    g.add_argument("--policy", default=DecodeConfig.policy, choices=POLICIES, help="commit rule")
+    g.add_argument("--tau", dest="threshold", type=float, default=DecodeConfig.threshold,
+                   help="confidence threshold of policies threshold / tdlm")  # fmt: skip
+    g.add_argument("--entropy-threshold", type=float, default=DecodeConfig.entropy_threshold,
+                   help="entropy bound H of policy entropy")  # fmt: skip
+    g.add_argument("--gen-length", type=int, default=DecodeConfig.gen_length, help="response tokens")
+    g.add_argument("--block-size", type=int, default=DecodeConfig.block_size, help="semi-autoregressive block size")
+    g.add_argument("--stop-at-eos", action="store_true", help="stop a row once EOS is committed (paper: off)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-dir", required=True, help="shards + manifest.json (absolute under ray job submit)")
+    g.add_argument("--shard-size", type=int, default=d.shard_size, help="prompts per shard; shard i = [i*S, (i+1)*S)")
+    g = p.add_argument_group("cluster (may change when resuming)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per decode call in a replica")
+    g.add_argument("--actors", type=int, default=None,
+                   help="replicas (default: one per GPU; without GPUs one per --cpus-per-actor CPUs)")  # fmt: skip
+    g.add_argument("--cpus-per-actor", type=int, default=d.cpus_per_actor,
+                   help="CPUs (= torch threads on CPU replicas) reserved per replica")  # fmt: skip
+    g.add_argument("--address", default=None,
+                   help="Ray cluster (host:6379 or 'auto'); default: RAY_ADDRESS, else a local cluster")  # fmt: skip
+    g.add_argument("--max-restarts", type=int, default=d.max_restarts, help="Ray restarts of a dead replica")
+    g.add_argument("--max-task-retries", type=int, default=d.max_task_retries,
+                   help="Ray retries of the shard a dead replica held")  # fmt: skip
+    g.add_argument("--max-shard-attempts", type=int, default=d.max_shard_attempts,
+                   help="driver-level attempts per shard once Ray's retries are spent")  # fmt: skip
+    g.add_argument("--log-interval", type=float, default=d.log_interval, help="seconds between progress lines")
+    return GenerationConfig(**vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
+    datasets.disable_progress_bars()  # one bar per shard write would drown the progress lines
+    try:
+        summary = generate(parse_args(argv))
+    except TDLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {summary.num_prompts} trajectories to {summary.output_dir} "
+          f"({len(summary.computed_shards)} shards computed, {summary.skipped_shards} already finished)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The one config schema of a generation job, and the settings that define its output.
+
+Settings split in two:
+
+* *identity* settings decide what the shards contain (backbone, adapter, prompts, decode rule,
+  shard size ...). They are written into ``manifest.json``; resuming an output dir with any of them
+  changed is refused, because the shards would mix two datasets;
+* *run* settings only decide how fast it goes (batch size, actors, retries, address, logging). They
+  may change between a run and its resume and are recorded per run. Batch size is a run setting
+  because :func:`tdlm.decode` gives the same tokens batched or per sample (tested in
+  ``tests/test_decoding.py`` and ``tests/test_generation.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tdlm.decoding import DecodeConfig
+from tdlm.errors import TDLMError
+from tdlm.prompts import Prompt, PromptSource, prompts_digest
+from tdlm.trajectories import SCHEMA_VERSION
+
+
+@dataclass
+class GenerationConfig:
+    """A teacher-trajectory generation job (``ray_jobs/generate_trajectories.py`` sets every field)."""
+
+    backbone: str  # preset name (tiny-llada) or checkpoint folder, readable on every node
+    prompts: str  # local .jsonl/.json/.parquet file or Hugging Face dataset name
+    output_dir: str  # shards + manifest.json; absolute path under `ray job submit`
+    prompt_field: str = "question"
+    prompt_config: str | None = None  # Hugging Face dataset config
+    prompt_split: str = "test"  # Hugging Face dataset split
+    num_prompts: int | None = None  # first N prompts of the source; None = all
+    chat: bool = True  # wrap prompts in the tokenizer's chat template
+    # decoding (tdlm.DecodeConfig)
+    policy: str = DecodeConfig.policy
+    threshold: float = DecodeConfig.threshold
+    entropy_threshold: float = DecodeConfig.entropy_threshold
+    gen_length: int = DecodeConfig.gen_length
+    block_size: int = DecodeConfig.block_size
+    stop_at_eos: bool = DecodeConfig.stop_at_eos
+    adapter: str | None = None  # TDLM adapter folder, needed by (and only by) policy 'tdlm'
+    dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
+    shard_size: int = 256  # prompts per shard: shard i holds prompts [i*S, (i+1)*S)
+    # run settings (may change on resume)
+    batch_size: int = 16  # prompts per tdlm.decode call inside an actor
+    actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
+    cpus_per_actor: int = 1  # CPU actors: torch threads per replica
+    address: str | None = None  # Ray cluster address; None = RAY_ADDRESS, else a fresh local cluster
+    max_restarts: int = 2  # Ray restarts of a dead actor ...
+    max_task_retries: int = 2  # ... and retries of the shard it was decoding
+    max_shard_attempts: int = 3  # driver-level attempts of one shard after Ray's own retries failed
+    log_interval: float = 30.0  # seconds between plain progress lines (for `ray job logs`)
+
+    def decode_config(self) -> DecodeConfig:
+        return DecodeConfig(
+            policy=self.policy,
+            gen_length=self.gen_length,
+            block_size=self.block_size,
+            threshold=self.threshold,
+            entropy_threshold=self.entropy_threshold,
+            stop_at_eos=self.stop_at_eos,
+        )
+
+    def prompt_source(self) -> PromptSource:
+        return PromptSource(self.prompts, self.prompt_field, self.prompt_config, self.prompt_split, self.num_prompts)
+
+    def validate(self) -> GenerationConfig:
+        """Reject incompatible options before any file is touched or any actor started."""
+        self.decode_config().validate()
+        if self.policy == "tdlm" and not self.adapter:
+            raise TDLMError("policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)")
+        if self.adapter and self.policy != "tdlm":
+            raise TDLMError(f"--adapter is only used by policy 'tdlm'; got policy {self.policy!r}")
+        for name in ("shard_size", "batch_size", "cpus_per_actor", "max_shard_attempts"):
+            if getattr(self, name) < 1:
+                raise TDLMError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.actors is not None and self.actors < 1:
+            raise TDLMError(f"actors must be >= 1; got {self.actors}")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise TDLMError(f"num_prompts must be >= 1; got {self.num_prompts}")
+        if self.max_restarts < 0 or self.max_task_retries < 0:
+            raise TDLMError("max_restarts and max_task_retries must be >= 0")
+        if self.log_interval <= 0:
+            raise TDLMError(f"log_interval must be > 0; got {self.log_interval}")
+        return self
+
+    def identity(self, prompts: list[Prompt], backbone: str | None, adapter: str | None) -> dict:
+        """Settings that define the shards' content (compared on resume); see the module docstring.
+
+        ``backbone`` / ``adapter`` are content fingerprints (:func:`tdlm.generation.worker.fingerprints`),
+        not paths, so a moved checkpoint or a different working dir under ``ray job submit`` is the
+        same job. ``None`` means the driver cannot see the files; the actors' fingerprints are then the
+        only ones checked (:meth:`ShardStore.check_actor_identity`).
+        """
+        out = {
+            "schema_version": SCHEMA_VERSION,
+            "prompt_source": self.prompt_source().tag(),
+            "prompt_field": self.prompt_field,
+            "num_prompts": len(prompts),
+            "prompts_sha256": prompts_digest(prompts),
+            "chat": self.chat,
+            "decode": self.decode_config().to_dict(),
+            "dtype": self.dtype,
+            "shard_size": self.shard_size,
+        }
+        if backbone is not None:
+            out["backbone"] = backbone
+        if adapter is not None or not self.adapter:
+            out["adapter"] = adapter
+        return out
+
+    def run_settings(self) -> dict:
+        names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
+                 "max_restarts", "max_task_retries", "max_shard_attempts")  # fmt: skip
+        return {n: getattr(self, n) for n in names}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def diff_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable ``key: old -> new`` lines for every differing (nested) setting."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_settings(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

@@ -1,0 +1,377 @@
+"""The driver: plan shards, run replicas on Ray, write shards, report progress.
+
+Recipe of :func:`generate`:
+
+1. validate the config, load the prompts, fingerprint backbone/adapter where the driver can see them;
+2. lock and check the output dir (:meth:`ShardStore.open`): refuse changed settings or bad files,
+   adopt a complete shard written just before a kill, list the shards left to do (nothing left:
+   return without starting Ray);
+3. connect to Ray: ``address`` / ``RAY_ADDRESS`` (set by ``ray job submit``), else a fresh local
+   cluster (``ray.init(address="local")``);
+4. start replicas: one per GPU (``num_gpus=1``), or CPU replicas with ``cpus_per_actor`` CPUs each,
+   never more than shards to do; each with ``max_restarts`` / ``max_task_retries``, so Ray itself
+   restarts a replica that dies and retries the shard it held;
+5. hand shards to idle replicas; write each returned shard (atomic rename), then list it in the
+   manifest. A shard whose replica is gone for good (Ray's retries spent) is put back in the queue
+   and the replica replaced: the driver-level pass, bounded by ``max_shard_attempts`` per shard.
+   Only the driver writes, and a shard is listed once, so each prompt lands in exactly one row;
+6. finish: check every prompt id appears once in shard order, NFE statistics, status "complete".
+
+Ray patterns (actors + retries + driver redo pass + tmp/rename) follow the measurements in
+``shared/notes/ray-wandb-datasets-on-cpu.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime as dt
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tdlm.errors import TDLMError
+from tdlm.generation.config import GenerationConfig
+from tdlm.generation.store import ShardStore
+from tdlm.generation.worker import (
+    FaultInjection,
+    ShardResult,
+    ShardTask,
+    ShardWorker,
+    WorkerSpec,
+    adapter_fingerprint,
+    backbone_fingerprint,
+)
+from tdlm.prompts import load_prompts
+
+log = logging.getLogger("tdlm.generation")
+
+# Results are a few MB per shard at most (token-id lists) and weights are read from disk by each
+# replica, so a local cluster needs only a small object store (Ray's default takes 30% of RAM).
+LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in the driver of a submitted job
+
+
+@dataclass
+class GenerationSummary:
+    output_dir: str
+    num_prompts: int
+    num_shards: int
+    computed_shards: list[int] = field(default_factory=list)  # written by this run
+    skipped_shards: int = 0  # already finished before this run (incl. adopted)
+    adopted_shards: int = 0
+    redone_shards: int = 0  # driver-level redo passes
+    seconds: float = 0.0
+    trajectories_per_s: float | None = None
+    nfe: dict = field(default_factory=dict)
+
+
+# -- Ray connection ---------------------------------------------------------------------------------
+def connect_ray(address: str | None) -> bool:
+    """Connect (address / RAY_ADDRESS) or start a local cluster; True if this call initialised Ray."""
+    import ray
+
+    if ray.is_initialized():  # a caller (tests, notebooks) owns the connection
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address and address.startswith(("http://", "https://")):
+        raise TDLMError(
+            f"Ray address {address!r} is a Ray Jobs (dashboard) URL: submit the script with "
+            f"`ray job submit --address {address} ...`, or pass the cluster address (host:6379 or 'auto')"
+        )
+    if address:
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise TDLMError(f"cannot connect to the Ray cluster at {address!r}: {e}") from e
+    else:
+        # address="local" always starts a fresh cluster, even if `ray start` runs on this machine.
+        ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                 logging_level=logging.WARNING)  # fmt: skip
+    return True
+
+
+def replica_resources(cfg: GenerationConfig, shards_todo: int) -> tuple[int, dict]:
+    """(number of replicas, Ray resource options): one per GPU, else CPU replicas of cpus_per_actor."""
+    import ray
+
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
+    if gpus:
+        n, opts = gpus, {"num_gpus": 1, "num_cpus": cfg.cpus_per_actor}
+    else:
+        n, opts = max(1, cpus // cfg.cpus_per_actor), {"num_cpus": cfg.cpus_per_actor}
+    if cfg.actors is not None:
+        if cfg.actors > n:
+            log.warning("%d actors requested; the cluster fits %d now (the rest wait for resources)", cfg.actors, n)
+        n = cfg.actors
+    return max(1, min(n, shards_todo)), opts
+
+
+# -- progress -------------------------------------------------------------------------------------
+class Progress:
+    """prompts done / total, trajectories/s and ETA: a tqdm bar on a terminal, plus plain log lines
+    every ``interval`` seconds (``ray job logs`` is not a terminal and keeps only those)."""
+
+    def __init__(self, total: int, done: int, interval: float) -> None:
+        self.total, self.done, self.base = total, done, done
+        self.interval = interval
+        self.t0: float | None = None  # set when the first shard is handed out (after replica start-up)
+        self.last = time.monotonic()
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit="traj", desc="trajectories", file=sys.stdout)
+
+    def start(self) -> None:
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+
+    def rate(self) -> float | None:
+        if self.t0 is None or self.done == self.base:
+            return None
+        return (self.done - self.base) / max(time.monotonic() - self.t0, 1e-9)
+
+    def line(self, extra: str = "") -> str:
+        rate = self.rate()
+        eta = "?" if not rate else str(dt.timedelta(seconds=round((self.total - self.done) / rate)))
+        pct = 100.0 * self.done / self.total
+        speed = f"{rate:.2f} traj/s" if rate else "- traj/s"
+        return f"progress {self.done}/{self.total} prompts ({pct:.1f}%) | {speed} | ETA {eta}{extra}"
+
+    def add(self, n: int, extra: str = "") -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        self.tick(extra)
+
+    def tick(self, extra: str = "", force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last >= self.interval:
+            self.last = now
+            log.info(self.line(extra))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# -- the job ------------------------------------------------------------------------------------
+def _fingerprints(cfg: GenerationConfig) -> tuple[str | None, str | None]:
+    """Backbone/adapter fingerprints if the driver sees the files; else the replicas' are used."""
+    fps: list[str | None] = []
+    for fn, arg in ((backbone_fingerprint, cfg.backbone), (adapter_fingerprint, cfg.adapter)):
+        if arg is None:
+            fps.append(None)
+            continue
+        try:
+            fps.append(fn(arg))
+        except TDLMError as e:
+            log.info("driver cannot fingerprint %s (%s); checking the replicas' copy instead", arg, e)
+            fps.append(None)
+    return fps[0], fps[1]
+
+
+def _tdlm_version() -> str:
+    import tdlm
+
+    return tdlm.__version__
+
+
+def _cause(e: Exception) -> BaseException:
+    return getattr(e, "cause", None) or e
+
+
+def generate(cfg: GenerationConfig) -> GenerationSummary:
+    """Generate (or finish) the teacher trajectories of ``cfg`` in ``cfg.output_dir``; see the module docstring."""
+    t_start = time.monotonic()
+    cfg.validate()
+    if os.environ.get(RAY_JOB_ENV) and not os.path.isabs(os.path.expanduser(cfg.output_dir)):
+        raise TDLMError(
+            f"--output-dir {cfg.output_dir!r} is relative, but a Ray job runs in a temporary copy of its "
+            f"working dir (the shards would be lost with it); give an absolute path"
+        )
+    prompts = load_prompts(cfg.prompt_source())
+    fp_backbone, fp_adapter = _fingerprints(cfg)
+    store = ShardStore(cfg.output_dir, prompts, cfg.shard_size, cfg.identity(prompts, fp_backbone, fp_adapter))
+    summary = GenerationSummary(str(store.root), len(prompts), store.num_shards)
+    with store:
+        todo = store.open()
+        summary.skipped_shards = store.num_shards - len(todo)
+        summary.adopted_shards = store.adopted
+        if not todo:
+            log.info("%s: all %d shards finished; nothing to do", store.root, store.num_shards)
+            summary.nfe = store.finalize()
+            summary.seconds = time.monotonic() - t_start
+            return summary
+        log.info("%s: %d prompts in %d shards of %d; %d finished, %d to do", store.root, len(prompts),
+                 store.num_shards, cfg.shard_size, summary.skipped_shards, len(todo))  # fmt: skip
+        faults = FaultInjection.from_env(tempfile.gettempdir())
+        if faults is not None:
+            log.warning("TEST FAULT INJECTION ACTIVE: %s", faults)
+        started_ray = connect_ray(cfg.address)
+        try:
+            _run(cfg, store, todo, faults, summary)
+        finally:
+            if faults is not None and faults.crash_marker:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(faults.crash_marker)
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+        summary.nfe = store.finalize()
+    summary.seconds = time.monotonic() - t_start
+    nfe = summary.nfe
+    log.info("done: %d trajectories in %s (%d shards computed, %d skipped); NFE mean %.2f median %s min %d max %d",
+             len(prompts), store.root, len(summary.computed_shards), summary.skipped_shards, nfe["mean"],
+             nfe["median"], nfe["min"], nfe["max"])  # fmt: skip
+    return summary
+
+
+def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: FaultInjection | None,
+         summary: GenerationSummary) -> None:  # fmt: skip
+    """Steps 4-5 of the recipe: replicas, dispatch, writes, driver-level redo pass."""
+    import ray
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    n_actors, resources = replica_resources(cfg, len(todo))
+    gpu = resources.get("num_gpus", 0) > 0
+    spec = WorkerSpec(
+        backbone=cfg.backbone,
+        decode=cfg.decode_config().to_dict(),
+        batch_size=cfg.batch_size,
+        chat=cfg.chat,
+        adapter=cfg.adapter,
+        dtype=cfg.dtype,
+        device="cuda" if gpu else "cpu",
+        threads=None if gpu else cfg.cpus_per_actor,
+        faults=faults,
+    )
+    remote_cls = ray.remote(ShardWorker).options(
+        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries
+    )
+    log.info("starting %d replica(s) of %s (%s each)", n_actors, cfg.backbone, resources)
+    actors: dict[int, object] = {}
+    pending: dict[object, tuple[str, int, int | None]] = {}  # ref -> (kind, actor slot, shard)
+
+    def start_actor(slot: int) -> None:
+        actors[slot] = remote_cls.remote(spec)
+        pending[actors[slot].info.remote()] = ("ready", slot, None)
+
+    for slot in range(n_actors):
+        start_actor(slot)
+    queue = collections.deque(todo)
+    attempts: collections.Counter[int] = collections.Counter()
+    idle: list[int] = []
+    failures: list[dict] = []
+    processes: list[dict] = []  # every replica that came up (Ray's own restarts are invisible here)
+    replacements = 0
+    max_replacements = cfg.max_shard_attempts * n_actors
+    progress = Progress(len(store.prompts), store.finished_prompts(), cfg.log_interval)
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    written = 0
+
+    def replace_actor(slot: int, why: BaseException) -> None:
+        nonlocal replacements
+        replacements += 1
+        if replacements > max_replacements:
+            raise TDLMError(f"replicas keep dying ({replacements} replaced); last error: {type(why).__name__}: {why}")
+        with contextlib.suppress(Exception):
+            ray.kill(actors[slot], no_restart=True)
+        log.warning("replica %d is gone (%s); starting a new one", slot, type(why).__name__)
+        start_actor(slot)
+
+    try:
+        while queue or any(kind == "shard" for kind, _, _ in pending.values()):
+            while idle and queue:
+                slot, index = idle.pop(), queue.popleft()
+                attempts[index] += 1
+                ps = store.shard_prompts(index)
+                task = ShardTask(index, [p.source_id for p in ps], [p.text for p in ps], attempts[index])
+                pending[actors[slot].run_shard.remote(task)] = ("shard", slot, index)
+                progress.start()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(cfg.log_interval, 5.0))
+            if not ready:
+                n_ready = n_actors - sum(kind == "ready" for kind, _, _ in pending.values())
+                progress.tick(f" | {n_ready}/{n_actors} replicas up")
+                continue
+            ref = ready[0]
+            kind, slot, index = pending.pop(ref)
+            try:
+                value = ray.get(ref)
+            except RayTaskError as e:  # an exception raised by tdlm code inside the replica
+                cause = _cause(e)
+                msg = str(cause) if isinstance(cause, TDLMError) else f"{type(cause).__name__}: {cause}"
+                if kind == "ready":
+                    raise TDLMError(f"replica failed to start: {msg}") from None
+                if isinstance(cause, TDLMError) or attempts[index] >= cfg.max_shard_attempts:
+                    raise TDLMError(f"shard {index} failed (attempt {attempts[index]}): {msg}") from None
+                failures.append({"shard": index, "attempt": attempts[index], "error": msg})
+                log.warning("shard %d attempt %d failed (%s); retrying", index, attempts[index], msg)
+                queue.appendleft(index)
+                idle.append(slot)
+                continue
+            except (RayActorError, RayError) as e:  # the replica died / its node is gone
+                if kind == "shard":
+                    failures.append({"shard": index, "attempt": attempts[index], "error": type(e).__name__})
+                    if attempts[index] >= cfg.max_shard_attempts:
+                        raise TDLMError(
+                            f"shard {index}: replica died on all {attempts[index]} attempts ({type(e).__name__})"
+                        ) from None
+                    log.warning("shard %d: replica died (%s); redoing the shard", index, type(e).__name__)
+                    queue.appendleft(index)
+                    summary.redone_shards += 1
+                replace_actor(slot, e)
+                continue
+            if kind == "ready":
+                store.check_actor_identity(value)
+                processes.append({k: value[k] for k in ("pid", "host", "device", "threads")})
+                log.info("replica %d up: pid %s on %s (%s, %s threads)", slot, value["pid"], value["host"],
+                         value["device"], value["threads"])  # fmt: skip
+                idle.append(slot)
+                continue
+            result: ShardResult = value
+            entry = store.write_shard(result.index, result.records, result.seconds, result.worker, attempts[index])
+            written += 1
+            if faults is not None and faults.kill_after == written:
+                log.warning("TEST FAULT INJECTION: SIGKILL after shard %d file, before the manifest", index)
+                os.kill(os.getpid(), signal.SIGKILL)
+            store.commit(entry)
+            summary.computed_shards.append(index)
+            idle.append(slot)
+            progress.add(len(result.records), f" | shard {index} done ({result.seconds:.1f} s)")
+    finally:
+        progress.close()
+        for handle in actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+    progress.tick(force=True)
+    rate = progress.rate()
+    summary.trajectories_per_s = rate
+    store.record_run({
+        "started": started,
+        "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "ray_address": ray.get_runtime_context().gcs_address,
+        "replicas": n_actors,
+        "replica_resources": resources,
+        "replica_replacements": replacements,
+        "replica_processes": processes,
+        "computed_shards": sorted(summary.computed_shards),
+        "adopted_shards": store.adopted,
+        "failures": failures,
+        "trajectories_per_s": rate,
+        "settings": cfg.run_settings(),
+        "versions": {"tdlm": _tdlm_version(), "torch": torch.__version__, "ray": ray.__version__,
+                     "python": sys.version.split()[0]},
+    })  # fmt: skip

@@ -1,0 +1,205 @@
+"""One backbone replica that decodes whole shards (the body of a Ray actor; also usable in-process).
+
+The class is plain Python so tests and benches can run it without Ray; the driver wraps it with
+``ray.remote``. A replica loads the backbone (plus the TDLM adapter for policy ``tdlm``) and the
+backbone's tokenizer once, then for every shard: chat template -> token ids
+(:func:`tdlm.tokenizer.encode_prompts`), batches of ``batch_size`` prompts of similar length (less
+left padding), :func:`tdlm.decode`, and one :class:`~tdlm.trajectories.TrajectoryRecord` per prompt
+in prompt order. It writes no files: the driver is the only writer of the output dir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tdlm.decoding import DecodeConfig, decode
+from tdlm.errors import TDLMError
+from tdlm.trajectories import TrajectoryRecord
+
+# Test-only fault injection (see FaultInjection.from_env). Inert unless the variable is set.
+CRASH_ENV = "TDLM_TEST_CRASH_SHARD"  # "<k>": the actor decoding shard k hard-exits on its first attempt
+KILL_ENV = "TDLM_TEST_KILL_AFTER_SHARDS"  # "<n>": the driver SIGKILLs itself after writing its n-th shard
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Deliberate crashes for the fault-tolerance tests; ``None`` fields do nothing.
+
+    ``crash_shard``: the replica decoding that shard calls ``os._exit`` on the first attempt (a marker
+    file records that the attempt happened, so the retry - in a restarted or new actor - succeeds).
+    ``kill_after``: the driver kills itself with SIGKILL right after the n-th shard file of the run is
+    renamed into place and before ``manifest.json`` lists it (the hardest point to resume from).
+    """
+
+    crash_shard: int | None = None
+    crash_marker: str | None = None
+    kill_after: int | None = None
+
+    @classmethod
+    def from_env(cls, marker_dir: str) -> FaultInjection | None:
+        crash, kill = os.environ.get(CRASH_ENV), os.environ.get(KILL_ENV)
+        if not crash and not kill:
+            return None
+        try:
+            k = int(crash) if crash else None
+            n = int(kill) if kill else None
+        except ValueError as e:
+            raise TDLMError(f"{CRASH_ENV}/{KILL_ENV} must be integers; got {crash!r}/{kill!r}") from e
+        marker = os.path.join(marker_dir, f"crash-shard-{k}-{os.getpid()}-{time.time_ns()}") if k is not None else None
+        return cls(crash_shard=k, crash_marker=marker, kill_after=n)
+
+
+@dataclass
+class WorkerSpec:
+    """What every replica loads and how it decodes (sent to each actor's constructor)."""
+
+    backbone: str
+    decode: dict  # DecodeConfig fields
+    batch_size: int = 16
+    chat: bool = True
+    adapter: str | None = None
+    dtype: str | None = None
+    device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads on CPU; None = leave as set by Ray/OMP
+    faults: FaultInjection | None = None
+
+
+@dataclass
+class ShardTask:
+    index: int
+    source_ids: list[str]
+    texts: list[str]
+    attempt: int = 1
+
+
+@dataclass
+class ShardResult:
+    index: int
+    records: list[TrajectoryRecord]
+    seconds: float  # wall time of tokenisation + decoding in the actor
+    worker: dict = field(default_factory=dict)  # pid / host / device of the replica
+
+
+def _sha256_file(path: Path, h: hashlib._Hash | None = None) -> hashlib._Hash:
+    h = h or hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h
+
+
+def backbone_fingerprint(name_or_path: str) -> str:
+    """Content id of a backbone: the preset name, or sha256 over config.json + weight file names/sizes.
+
+    Hashing multi-GB weights would cost minutes per resume; config + shard sizes catch a different
+    checkpoint in practice. Raises TDLMError if the checkpoint is not visible on this machine.
+    """
+    from tdlm.models.loading import PRESETS, _resolve_folder
+
+    if name_or_path in PRESETS:
+        return f"preset:{name_or_path}"
+    folder = _resolve_folder(name_or_path)
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+    h = _sha256_file(cfg)
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
+def adapter_fingerprint(directory: str) -> str:
+    """sha256 over the adapter's two files (small: the temporal weights only)."""
+    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    h = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        p = Path(directory) / name
+        if not p.exists():
+            raise TDLMError(f"{directory}: missing {name} (expected a folder written by TDLM.save_adapter)")
+        _sha256_file(p, h)
+    return f"sha256:{h.hexdigest()}"
+
+
+class ShardWorker:
+    """A backbone replica. Construction never raises: errors are kept and re-raised by :meth:`info`,
+    so that a bad path or adapter reaches the driver as one clean TDLMError instead of an actor that
+    Ray restarts until its restart budget is gone."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.error: BaseException | None = None
+        try:
+            self._load()
+        except Exception as e:  # re-raised by info() on the driver's first call
+            self.error = e
+
+    def _load(self) -> None:
+        from tdlm.model import TDLM
+        from tdlm.models.loading import load_backbone
+        from tdlm.tokenizer import load_tokenizer, stop_token_ids
+
+        spec = self.spec
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.config = DecodeConfig(**spec.decode).validate()
+        self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=spec.device)
+        self.model = TDLM.from_adapter(self.backbone, spec.adapter).to(spec.device) if spec.adapter else self.backbone
+        self.tokenizer = load_tokenizer(spec.backbone)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.backbone.eos_token_id)
+        self.fingerprint = backbone_fingerprint(spec.backbone)
+        self.adapter_fingerprint = adapter_fingerprint(spec.adapter) if spec.adapter else None
+        self.meta = {"pid": os.getpid(), "host": socket.gethostname(), "device": spec.device,
+                     "threads": torch.get_num_threads()}  # fmt: skip
+
+    def info(self) -> dict:
+        """What this replica loaded (the driver checks all replicas agree with the manifest)."""
+        if self.error is not None:
+            raise self.error
+        return {
+            "backbone_id": self.backbone.backbone_id,
+            "backbone": self.fingerprint,
+            "adapter": self.adapter_fingerprint,
+            **self.meta,
+        }
+
+    def _maybe_crash(self, index: int) -> None:
+        f = self.spec.faults
+        if f is None or f.crash_shard != index or f.crash_marker is None:
+            return
+        if not os.path.exists(f.crash_marker):
+            Path(f.crash_marker).touch()
+            os._exit(1)  # a hard death mid-shard, as an OOM kill or a lost node looks to Ray
+
+    def run_shard(self, task: ShardTask) -> ShardResult:
+        from tdlm.tokenizer import encode_prompts
+
+        if self.error is not None:
+            raise self.error
+        self._maybe_crash(task.index)
+        t0 = time.perf_counter()
+        ids = encode_prompts(self.tokenizer, task.texts, chat=self.spec.chat)
+        # Similar lengths share a batch so little compute goes to left padding; decode() gives the
+        # same tokens batched or alone, so the grouping does not change the output.
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        results: list = [None] * len(ids)
+        bs = self.spec.batch_size
+        for start in range(0, len(order), bs):
+            chunk = order[start : start + bs]
+            out = decode(self.model, [ids[i] for i in chunk], self.config, tokenizer=self.tokenizer,
+                         stop_ids=self.stop_ids)  # fmt: skip
+            for i, r in zip(chunk, out, strict=True):
+                results[i] = r
+        settings = self.config.to_dict()
+        records = [
+            TrajectoryRecord.from_decode(r, sid, text, self.backbone.backbone_id, settings)
+            for r, sid, text in zip(results, task.source_ids, task.texts, strict=True)
+        ]
+        return ShardResult(task.index, records, time.perf_counter() - t0, dict(self.meta))
