@@ -201,9 +201,13 @@ class SandboxLimits:
     isolate_network: bool = True
     isolate_pids: bool = True
     drop_privileges: bool = True  # as root, run as nobody when the interpreter works for that user
-    python: str = sys.executable
+    # None: this interpreter if it can run as nobody, else a system python3 that can (samples need only the
+    # stdlib); a venv under a 0700 /root cannot drop privileges, and without the drop root code is unconfined.
+    python: str | None = None
 
     def __post_init__(self) -> None:
+        if self.python is None:
+            object.__setattr__(self, "python", default_python())
         if not (self.timeout_s > 0):
             raise TDLMError(f"SandboxLimits.timeout_s: got {self.timeout_s}, expected > 0")
         for name in ("memory_bytes", "file_size_bytes", "max_open_files", "output_bytes"):
@@ -263,6 +267,16 @@ def _can_drop_to_nobody(python: str) -> bool:
             theirs = _interpreter_fingerprint([python], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
             _nobody_ok[python] = mine is not None and mine == theirs
         return _nobody_ok[python]
+
+
+def default_python() -> str:
+    """The interpreter for samples: ``sys.executable`` unless only a system ``python3`` can drop to nobody."""
+    if os.geteuid() != 0 or _can_drop_to_nobody(sys.executable):
+        return sys.executable
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(candidate) and _can_drop_to_nobody(candidate):
+            return candidate
+    return sys.executable
 
 
 def _read_capped(path: str, cap: int) -> str:

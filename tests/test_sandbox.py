@@ -186,8 +186,20 @@ def test_runs_as_nobody_when_the_interpreter_allows():
 def test_venv_interpreter_that_breaks_as_nobody_stays_root_and_records_it():
     if os.geteuid() != 0:
         pytest.skip("privilege drop only applies to root")
-    r = run_python("pass", FAST)
+    r = run_python("pass", replace(FAST, python=sys.executable))
     assert r.privileges_dropped == sandbox._can_drop_to_nobody(sys.executable)
+
+
+def test_default_interpreter_prefers_one_that_drops_privileges():
+    if os.geteuid() != 0:
+        pytest.skip("privilege drop only applies to root")
+    python = SandboxLimits().python
+    system = [p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)]
+    if sandbox._can_drop_to_nobody(sys.executable) or any(sandbox._can_drop_to_nobody(p) for p in system):
+        assert sandbox._can_drop_to_nobody(python)
+        assert run_python("pass", SandboxLimits(timeout_s=30)).privileges_dropped
+    else:
+        assert python == sys.executable
 
 
 def test_bad_interpreter_is_an_error_not_a_failure():

@@ -1,0 +1,254 @@
+"""The evaluation job's one config schema and the grid of runs it expands to.
+
+An evaluation is one backbone x a grid of *runs*: every (task, policy, tau / H, adapter, history)
+point. ``original`` has no knob; ``threshold`` sweeps ``thresholds`` (Fast-dLLM, Eq. 6); ``entropy``
+sweeps ``entropy_thresholds`` (the d3LLM rule); ``tdlm`` sweeps adapters x ``tdlm_thresholds`` x
+``histories`` (Table 2 restricts the history of a fixed adapter at inference, Table 4 compares adapters
+trained with different layer allocations). Defaults are the paper's (Section 3.1): 256 tokens, block
+32, tau 0.9, H 0.5, batch size 1 for the latency measurement.
+
+Settings split in two, as in :mod:`tdlm.generation.config`:
+
+* *identity* settings (:meth:`EvalConfig.identity`) decide what a run's per-sample results mean
+  (backbone, adapter, decode rule, prompts, dtype, batch size and device kind because they change the
+  measured seconds). They are written to each run's ``run.json``; resuming with any of them changed
+  is refused;
+* *run* settings (workers, threads, W&B, scoring workers) may change between a run and its resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tdlm.decoding import POLICIES, DecodeConfig
+from tdlm.errors import TDLMError
+from tdlm.history import HistoryPolicy
+from tdlm.tasks import TASK_NAMES
+
+DTYPES = ("float32", "bfloat16", "float16")
+RUN_ORDER = ("original", "threshold", "entropy", "tdlm")  # the paper's Table 1 row order
+
+
+@dataclass
+class EvalConfig:
+    """One evaluation job (``eval/run.py`` sets every field; YAML files in ``configs/eval_*.yaml``)."""
+
+    backbone: str  # preset (tiny-llada) or checkpoint folder
+    output_dir: str  # runs/<task>/<run>/..., summary.json, table.md, pareto_*.png
+    tasks: list[str] = field(default_factory=lambda: ["gsm8k"])
+    policies: list[str] | None = None  # None: original + threshold (+ tdlm when adapters are given)
+    adapters: list[str] = field(default_factory=list)  # "DIR" or "LABEL=DIR" (TDLM.save_adapter folders)
+    thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.threshold])  # tau of threshold
+    tdlm_thresholds: list[float] | None = None  # tau of tdlm; None = thresholds (Dream: TDLM 0.95)
+    entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.entropy_threshold])
+    histories: list[str] | None = None  # tdlm history restriction; None = each adapter's trained one
+    gen_length: int = DecodeConfig.gen_length
+    block_size: int = DecodeConfig.block_size
+    stop_at_eos: bool = DecodeConfig.stop_at_eos
+    limit: int | None = None  # first N problems of each task
+    data_dir: str | None = None  # benchmark JSONL dir; None = $TDLM_DATA_DIR, Hub, ../shared/benchmarks
+    chat: bool = True  # prompts through the backbone's chat template
+    dtype: str | None = None  # float32 | bfloat16 | float16; None = checkpoint's torch_dtype
+    device: str | None = None  # in-process worker device; None = cuda if available else cpu
+    batch_size: int = 1  # prompts per decode call (paper latency: 1)
+    warmup: int = 1  # untimed decodes per worker and run before the timed ones
+    # run settings (may change on resume)
+    workers: int | None = None  # None = one per visible GPU (min 1); 1 = in-process, no Ray
+    threads: int | None = None  # torch threads per CPU worker (Ray CPU actors reserve this many CPUs)
+    ray_address: str | None = None  # None = RAY_ADDRESS, else a fresh local cluster
+    max_restarts: int = 2  # Ray restarts of a dead actor ...
+    max_task_retries: int = 2  # ... and retries of the shard it held
+    max_shard_attempts: int = 3  # driver-level attempts per shard after Ray's retries
+    group: str | None = None  # W&B group (the comparison); None = output dir name
+    project: str = "tdlm-eval"
+    wandb_mode: str | None = None  # online | offline | disabled; None = WANDB_MODE, key -> online, else offline
+    score_workers: int = 2  # Math-Verify processes / sandbox threads
+    code_timeout_s: float = 30.0  # sandbox wall clock per MBPP program (generous: shared machines are loaded)
+    code_cpu_s: int = 11  # sandbox CPU seconds per MBPP program (the real compute budget)
+    reference_tau: float = DecodeConfig.threshold  # threshold baseline of the "vs threshold" speedup
+
+    # -- checks --------------------------------------------------------------------------------
+    def resolved_policies(self) -> list[str]:
+        if self.policies is not None:
+            return list(self.policies)
+        return ["original", "threshold"] + (["tdlm"] if self.adapters else [])
+
+    def validate(self) -> EvalConfig:
+        """Reject bad or incompatible options before anything is loaded or written."""
+        if not self.tasks:
+            raise TDLMError("tasks: expected at least one of " + ", ".join(TASK_NAMES))
+        for t in self.tasks:
+            if t not in TASK_NAMES:
+                raise TDLMError(f"task {t!r} unknown; expected one of {', '.join(TASK_NAMES)}")
+        pols = self.resolved_policies()
+        if not pols:
+            raise TDLMError("policies: expected at least one of " + ", ".join(POLICIES))
+        for p in pols:
+            if p not in POLICIES:
+                raise TDLMError(f"policy {p!r} unknown; expected one of {', '.join(POLICIES)}")
+        for name in ("tasks", "policies", "adapters", "thresholds", "tdlm_thresholds", "entropy_thresholds",
+                     "histories"):  # fmt: skip
+            vals = getattr(self, name)
+            if vals is not None and len(set(map(str, vals))) != len(vals):
+                raise TDLMError(f"{name}: duplicate values in {vals}")
+        if "tdlm" in pols and not self.adapters:
+            raise TDLMError("policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)")
+        if self.adapters and "tdlm" not in pols:
+            raise TDLMError(f"--adapter is only used by policy 'tdlm'; policies are {pols}")
+        for tau in list(self.thresholds) + list(self.tdlm_thresholds or []):
+            if not 0.0 <= tau <= 1.0:
+                raise TDLMError(f"threshold tau={tau} must be in [0, 1]")
+        for h in self.entropy_thresholds:
+            if h < 0:
+                raise TDLMError(f"entropy threshold H={h} must be >= 0")
+        for h in self.histories or []:
+            HistoryPolicy.parse(h)
+        if self.histories is not None and not self.histories:
+            raise TDLMError("histories: expected at least one (full, last:k, current) or None")
+        DecodeConfig(gen_length=self.gen_length, block_size=self.block_size).validate()
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise TDLMError(f"dtype {self.dtype!r} unknown; expected one of {', '.join(DTYPES)}")
+        for name in ("batch_size", "score_workers", "max_shard_attempts", "code_cpu_s"):
+            if getattr(self, name) < 1:
+                raise TDLMError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name in ("workers", "threads", "limit"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise TDLMError(f"{name} must be >= 1 (or unset); got {v}")
+        if self.warmup < 0 or self.max_restarts < 0 or self.max_task_retries < 0:
+            raise TDLMError("warmup, max_restarts and max_task_retries must be >= 0")
+        if self.code_timeout_s <= 0:
+            raise TDLMError(f"code_timeout_s must be > 0; got {self.code_timeout_s}")
+        self.adapter_dirs()  # labels well-formed and unique
+        return self
+
+    def adapter_dirs(self) -> dict[str, str]:
+        """``label -> folder`` of ``adapters`` ("DIR" is labelled by its folder name, "LABEL=DIR" by LABEL)."""
+        out: dict[str, str] = {}
+        for item in self.adapters:
+            label, sep, path = item.partition("=")
+            if not sep:
+                label, path = Path(item.rstrip("/")).name, item
+            if not label or not path:
+                raise TDLMError(f"adapter {item!r}: expected DIR or LABEL=DIR")
+            if label in out:
+                raise TDLMError(f"adapter label {label!r} used twice; name them with LABEL=DIR")
+            out[label] = path
+        return out
+
+    def decode_settings(self) -> dict:
+        """The decode fields shared by every run (policy and thresholds are per run)."""
+        return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of the grid: what is decoded for one task."""
+
+    task: str
+    policy: str
+    threshold: float | None = None  # tau (threshold, tdlm)
+    entropy_threshold: float | None = None  # H (entropy)
+    adapter_label: str | None = None
+    adapter: str | None = None  # folder
+    history: str | None = None  # tdlm only: resolved history restriction
+
+    @property
+    def name(self) -> str:
+        """Directory / W&B name, unique within a task: ``tdlm-<label>-tau0.9-last3``."""
+        if self.policy == "original":
+            return "original"
+        if self.policy == "threshold":
+            return f"threshold-tau{self.threshold:g}"
+        if self.policy == "entropy":
+            return f"entropy-H{self.entropy_threshold:g}"
+        hist = (self.history or "").replace(":", "")
+        return f"tdlm-{_slug(self.adapter_label or 'adapter')}-tau{self.threshold:g}-{hist}"
+
+    def decode_config(self, cfg: EvalConfig) -> DecodeConfig:
+        kw = cfg.decode_settings()
+        if self.threshold is not None:
+            kw["threshold"] = self.threshold
+        if self.entropy_threshold is not None:
+            kw["entropy_threshold"] = self.entropy_threshold
+        return DecodeConfig(policy=self.policy, **kw).validate()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def read_adapter_config(directory: str) -> dict:
+    """The adapter's ``adapter_config.json`` (history and layers for naming and the allocation table)."""
+    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    d = Path(directory)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (d / name).exists():
+            raise TDLMError(f"{d}: missing {name} (expected a folder written by TDLM.save_adapter)")
+    try:
+        return json.loads((d / ADAPTER_CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise TDLMError(f"{d / ADAPTER_CONFIG}: invalid JSON: {e}") from e
+
+
+def adapter_fingerprint(directory: str) -> str:
+    """sha256 over the adapter's two files (small: temporal weights only)."""
+    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    h = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        h.update((Path(directory) / name).read_bytes())
+    return f"sha256:{h.hexdigest()}"
+
+
+def backbone_fingerprint(name_or_path: str) -> str:
+    """Preset name, or sha256 over config.json + weight file names and sizes (hashing 16 GB would take minutes)."""
+    from tdlm.models.loading import PRESETS, _resolve_folder
+
+    if name_or_path in PRESETS:
+        return f"preset:{name_or_path}"
+    folder = _resolve_folder(name_or_path)
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+    h = hashlib.sha256(cfg.read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
+def expand(cfg: EvalConfig) -> list[RunSpec]:
+    """The grid of runs in a stable order: task, then original / threshold / entropy / tdlm, then knobs."""
+    runs: list[RunSpec] = []
+    pols = cfg.resolved_policies()
+    adapters = cfg.adapter_dirs()
+    trained = {label: read_adapter_config(path).get("history", "full") for label, path in adapters.items()}
+    for task in cfg.tasks:
+        for policy in [p for p in RUN_ORDER if p in pols]:
+            if policy == "original":
+                runs.append(RunSpec(task, policy))
+            elif policy == "threshold":
+                runs += [RunSpec(task, policy, threshold=t) for t in cfg.thresholds]
+            elif policy == "entropy":
+                runs += [RunSpec(task, policy, entropy_threshold=h) for h in cfg.entropy_thresholds]
+            else:
+                for label, path in adapters.items():
+                    for tau in cfg.tdlm_thresholds or cfg.thresholds:
+                        for hist in cfg.histories or [trained[label]]:
+                            runs.append(RunSpec(task, policy, threshold=tau, adapter_label=label, adapter=path,
+                                                history=str(HistoryPolicy.parse(hist))))  # fmt: skip
+    names = [(r.task, r.name) for r in runs]
+    if len(set(names)) != len(names):
+        raise TDLMError(f"two runs share a name in {names}; give adapters distinct labels (LABEL=DIR)")
+    return runs

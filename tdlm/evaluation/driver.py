@@ -1,0 +1,494 @@
+"""The evaluation driver: plan runs and shards, decode (in-process or on Ray), score, report.
+
+Recipe of :func:`evaluate`:
+
+1. validate the config, expand the grid of runs (:func:`tdlm.evaluation.config.expand`), load the tasks;
+2. per run: check or write ``run.json`` (identity settings; a changed setting is refused), read the done
+   ids from its shard files, and split the remaining problems over W workers (problem i -> shard i % W);
+3. decode: W = 1 runs one :class:`EvalWorker` in this process (no Ray); W > 1 starts W Ray actors, one per
+   GPU (``num_gpus=1``) or CPU actors (``num_cpus=threads``). Actor w decodes shard w of every run, each
+   appending its own file. Ray restarts a dead actor and retries its shard (``max_restarts`` /
+   ``max_task_retries``); once those are spent the driver replaces the actor and resubmits (bounded by
+   ``max_shard_attempts``). A retry skips the samples its shard file already holds. Workers write the
+   shard files themselves, so on a multi-node cluster ``output_dir`` (and the checkpoint / adapters) must
+   be on storage every node shares; a node-local dir shows up as missing samples at the merge;
+4. merge each run's shards and check every problem appears exactly once; score with
+   :class:`tdlm.scoring.Scorer` here in the driver, after decoding, so scoring never competes with the
+   timed decodes for CPU (Math-Verify runs in the Scorer's processes' main threads, code in the sandbox);
+   scores of unchanged generations are reused from the previous ``samples.jsonl``;
+5. metrics and speedups (:mod:`tdlm.evaluation.metrics`); per run ``samples.jsonl`` + ``summary.json`` + a
+   W&B run (group = the comparison); for the job ``summary.json``, ``table.md`` and ``pareto_<task>.png``,
+   plus a W&B comparison run with the tables and plots.
+
+Output layout::
+
+    <output_dir>/summary.json  table.md  pareto_<task>.png  comparison/ (W&B)
+    <output_dir>/runs/<task>/<run>/run.json  shards/shard-<w>-of-<W>.jsonl  samples.jsonl  summary.json  wandb/
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tdlm.errors import TDLMError
+from tdlm.evaluation.config import (
+    EvalConfig,
+    RunSpec,
+    adapter_fingerprint,
+    backbone_fingerprint,
+    expand,
+    read_adapter_config,
+)
+from tdlm.evaluation.metrics import aggregate, compute_speedups
+from tdlm.evaluation.plot import plot_all
+from tdlm.evaluation.records import done_ids, merge, read_records, shard_of
+from tdlm.evaluation.report import method_label, render
+from tdlm.evaluation.worker import EvalWorker, ShardJob, WorkerSpec
+from tdlm.tasks import Task, load_task
+
+log = logging.getLogger("tdlm.evaluation")
+
+RUN_IDENTITY = "run.json"
+SAMPLES = "samples.jsonl"
+SUMMARY = "summary.json"
+IDENTITY_VERSION = 1
+# Only small records travel through Ray (the workers write their own files), so a small store does.
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2
+
+
+@dataclass
+class Plan:
+    spec: RunSpec
+    run_dir: Path
+    task: Task
+    identity: dict
+
+
+@dataclass
+class EvalResult:
+    output_dir: str
+    runs: list[dict]
+    table: str
+    summary_path: str
+    table_path: str
+    plots: list[str] = field(default_factory=list)
+    computed: int = 0  # samples decoded by this call
+    skipped: int = 0  # samples found done from an earlier call
+    workers: int = 1
+
+
+# -- small helpers ------------------------------------------------------------------------------------
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, "<unset>"), new.get(k, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+def backbone_id(name_or_path: str) -> str:
+    """The id load_backbone gives the model, without loading it (preset name or config ``_name_or_path``)."""
+    from tdlm.models.loading import PRESETS, _resolve_folder
+
+    if name_or_path in PRESETS:
+        return name_or_path
+    cfg = _resolve_folder(name_or_path) / "config.json"
+    try:
+        return str(json.loads(cfg.read_text()).get("_name_or_path") or name_or_path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise TDLMError(f"{cfg}: cannot read the backbone config: {e}") from e
+
+
+# -- 1-2: plan ----------------------------------------------------------------------------------------
+def plan_runs(cfg: EvalConfig) -> list[Plan]:
+    """Expand the grid, load tasks, and check/write every run's identity (``run.json``)."""
+    specs = expand(cfg)
+    tasks = {t: load_task(t, cfg.data_dir, cfg.limit) for t in cfg.tasks}
+    for t, task in tasks.items():
+        if not task.problems:
+            raise TDLMError(f"task {t}: no problems to evaluate (limit={cfg.limit})")
+    bb = backbone_fingerprint(cfg.backbone)
+    adapter_fps = {path: adapter_fingerprint(path) for path in cfg.adapter_dirs().values()}
+    out = Path(cfg.output_dir).resolve()
+    plans = []
+    for spec in specs:
+        task = tasks[spec.task]
+        identity = {
+            "version": IDENTITY_VERSION,
+            "backbone": bb,
+            "dtype": cfg.dtype,
+            "chat": cfg.chat,
+            "task": spec.task,
+            "prompt_version": task.prompt_version,
+            "decode": spec.decode_config(cfg).to_dict(),
+            "adapter": adapter_fps.get(spec.adapter) if spec.adapter else None,
+            "history": spec.history,
+            "batch_size": cfg.batch_size,  # changes what "seconds" measures
+        }
+        run_dir = out / "runs" / spec.task / spec.name
+        path = run_dir / RUN_IDENTITY
+        if path.exists():
+            try:
+                old = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise TDLMError(f"{path}: invalid JSON ({e}); expected this run's settings") from e
+            changes = _diff(old, identity)
+            if changes:
+                raise TDLMError(f"{run_dir}: settings differ from the results already there ({'; '.join(changes)}); "
+                                f"use another --output-dir or delete the run dir")  # fmt: skip
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(path, identity)
+        plans.append(Plan(spec, run_dir, task, identity))
+    return plans
+
+
+def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[list[ShardJob], int]:
+    """Jobs for the problems without a record yet (any earlier worker count); returns (jobs, samples done)."""
+    jobs, skipped = [], 0
+    for plan in plans:
+        done = done_ids(plan.run_dir)
+        todo = [p for p in plan.task.problems if p.id not in done]
+        skipped += len(plan.task.problems) - len(todo)
+        decode_cfg = plan.spec.decode_config(cfg).to_dict()
+        for w in range(num_shards):
+            probs = [(p.id, p.index, p.prompt) for p in todo if shard_of(p.index, num_shards) == w]
+            if probs:
+                jobs.append(ShardJob(plan.spec.to_dict(), str(plan.run_dir), w, num_shards, probs, decode_cfg,
+                                     cfg.batch_size, cfg.warmup))  # fmt: skip
+    return jobs, skipped
+
+
+def num_workers(cfg: EvalConfig) -> int:
+    """``workers`` if set, else one per visible GPU (at least 1; a cluster address: its GPUs)."""
+    if cfg.workers is not None:
+        return cfg.workers
+    if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        _connect_ray(cfg.ray_address)
+        return max(1, int(ray.cluster_resources().get("GPU", 0)))
+    return max(1, torch.cuda.device_count())
+
+
+# -- 3: decode ----------------------------------------------------------------------------------------
+def _bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, disable=total == 0)
+
+
+def run_in_process(cfg: EvalConfig, jobs: list[ShardJob]) -> None:
+    worker = EvalWorker(WorkerSpec(cfg.backbone, cfg.dtype, cfg.device, cfg.threads, cfg.chat))
+    info = worker.info()
+    log.info("worker up in-process: %s on %s (%s threads)", info["backbone_id"], info["device_name"], info["threads"])
+    with _bar(sum(len(j.problems) for j in jobs), "decode") as bar:
+        for job in jobs:
+            bar.set_postfix_str(Path(job.run_dir).name, refresh=False)
+            worker.run_shard(job, progress=bar.update)
+
+
+def _connect_ray(address: str | None) -> bool:
+    """Connect to ``address`` / RAY_ADDRESS or start a fresh local cluster; True if this call initialised Ray."""
+    import ray
+
+    if ray.is_initialized():  # the caller (a test, a notebook) owns the connection
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:  # address="local": never attach to a `ray start` cluster by accident
+        ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                 logging_level=logging.WARNING)  # fmt: skip
+    return True
+
+
+def _cause(e: BaseException) -> BaseException:
+    return getattr(e, "cause", None) or e
+
+
+def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
+    """One actor per shard with work; actors run their jobs in submission order."""
+    import ray
+    from ray.exceptions import RayActorError, RayError, RayTaskError
+
+    started = _connect_ray(cfg.ray_address)
+    actors: dict[int, object] = {}
+    try:
+        res = ray.cluster_resources()
+        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
+        threads = cfg.threads or 1
+        if gpus:
+            opts, device = {"num_gpus": 1, "num_cpus": 1}, "cuda"
+            if num_shards > gpus:
+                log.warning("%d workers but %d GPUs: the extra actors wait for a free GPU", num_shards, gpus)
+        else:
+            opts, device = {"num_cpus": threads}, "cpu"
+            if num_shards * threads > cpus:
+                log.warning("%d CPU workers x %d threads but %d CPUs: some actors wait", num_shards, threads, cpus)
+        spec = WorkerSpec(cfg.backbone, cfg.dtype, device, None if gpus else threads, cfg.chat)
+        remote = ray.remote(EvalWorker).options(**opts, max_restarts=cfg.max_restarts,
+                                                max_task_retries=cfg.max_task_retries)  # fmt: skip
+        by_shard: dict[int, list[ShardJob]] = collections.defaultdict(list)
+        for job in jobs:
+            by_shard[job.shard].append(job)
+        generation: dict[int, int] = {}
+        for w in by_shard:
+            actors[w], generation[w] = remote.remote(spec), 0
+        log.info("starting %d Ray actor(s) of %s (%s each)", len(actors), cfg.backbone, opts)
+        for w, actor in actors.items():
+            try:
+                info = ray.get(actor.info.remote())
+            except RayTaskError as e:
+                cause = _cause(e)
+                raise TDLMError(f"worker {w} failed to start: {cause}") from None
+            log.info("worker %d up: pid %s on %s (%s)", w, info["pid"], info["host"], info["device_name"])
+        pending: dict[object, tuple[int, ShardJob, int]] = {}
+        attempts: collections.Counter[tuple[str, int]] = collections.Counter()
+
+        def submit(w: int, job: ShardJob) -> None:
+            attempts[(job.run_dir, w)] += 1
+            pending[actors[w].run_shard.remote(job)] = (w, job, generation[w])
+
+        for w, js in by_shard.items():
+            for job in js:
+                submit(w, job)
+        with _bar(sum(len(j.problems) for j in jobs), "decode") as bar:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=10.0)
+                if not ready:
+                    continue
+                ref = ready[0]
+                w, job, gen = pending.pop(ref)
+                try:
+                    report = ray.get(ref)
+                except RayTaskError as e:  # raised by tdlm code inside the actor: not worth a retry
+                    cause = _cause(e)
+                    msg = str(cause) if isinstance(cause, TDLMError) else f"{type(cause).__name__}: {cause}"
+                    raise TDLMError(f"{job.run_dir} shard {w}: {msg}") from None
+                except (RayActorError, RayError) as e:  # the actor died and Ray's restarts are spent
+                    n = attempts[(job.run_dir, w)]
+                    if n >= cfg.max_shard_attempts:
+                        raise TDLMError(f"{job.run_dir} shard {w}: worker died on all {n} attempts "
+                                        f"({type(e).__name__})") from None  # fmt: skip
+                    if gen == generation[w]:  # first failure seen from this actor: replace it once
+                        log.warning("worker %d is gone (%s); starting a new one", w, type(e).__name__)
+                        with contextlib.suppress(Exception):
+                            ray.kill(actors[w], no_restart=True)
+                        actors[w], generation[w] = remote.remote(spec), generation[w] + 1
+                    submit(w, job)
+                    continue
+                bar.update(report.computed)
+    finally:
+        for handle in actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
+        if started:
+            ray.shutdown()
+
+
+# -- 4: merge and score -------------------------------------------------------------------------------
+def _score_all(cfg: EvalConfig, plans: list[Plan], merged: list[list[dict]]) -> list[list[dict]]:
+    """Scored sample lists per run; unchanged generations keep their previous score."""
+    from tdlm.sandbox import SandboxLimits
+    from tdlm.scoring import Scorer
+
+    scored: list[list[dict | None]] = []
+    todo: list[tuple[int, int]] = []
+    for k, (plan, recs) in enumerate(zip(plans, merged, strict=True)):
+        old = {r["id"]: r for r in read_records(plan.run_dir / SAMPLES)}
+        row: list[dict | None] = []
+        for i, rec in enumerate(recs):
+            prev = old.get(rec["id"])
+            if prev is not None and prev.get("generation") == rec["generation"] and "correct" in prev:
+                row.append(_sample(rec, prev))
+            else:
+                row.append(None)
+                todo.append((k, i))
+        scored.append(row)
+    if todo:
+        problems = {(k, i): plans[k].task.problems[i] for k, i in todo}
+        limits = SandboxLimits(timeout_s=cfg.code_timeout_s, cpu_s=cfg.code_cpu_s)
+        with Scorer(cfg.score_workers, sandbox=limits) as scorer, _bar(len(todo), "score") as bar:
+
+            def one(key: tuple[int, int]):
+                s = scorer.score(problems[key], merged[key[0]][key[1]]["generation"])
+                bar.update(1)
+                return s
+
+            with ThreadPoolExecutor(cfg.score_workers) as pool:
+                for (k, i), s in zip(todo, pool.map(one, todo), strict=True):
+                    scored[k][i] = _sample(merged[k][i], {"extracted": s.extracted, "correct": s.correct,
+                                                          "status": s.status, "score_detail": s.detail})  # fmt: skip
+        errors = [scored[k][i] for k, i in todo if scored[k][i]["status"] == "error"]  # type: ignore[index]
+        if errors:  # counted as wrong; the summaries' status_counts show them too
+            log.warning("%d sample(s) could not be scored (first: %s)", len(errors), errors[0]["score_detail"])
+    return scored  # type: ignore[return-value]
+
+
+def _sample(rec: dict, score: dict) -> dict:
+    """The per-sample output row: id, prompt, generation, extracted answer, correct, NFE, seconds."""
+    worker = rec.get("worker") or {}
+    return {
+        "id": rec["id"], "index": rec["index"], "prompt": rec["prompt"], "generation": rec["generation"],
+        "extracted": score.get("extracted"), "correct": bool(score["correct"]), "status": score.get("status"),
+        "score_detail": score.get("score_detail", ""), "nfe": rec["nfe"], "seconds": rec["seconds"],
+        "prompt_tokens": rec.get("prompt_tokens"), "batch_size": rec.get("batch_size"),
+        "device": worker.get("device_name") or worker.get("device"),
+    }  # fmt: skip
+
+
+# -- 5: summaries, W&B, report ------------------------------------------------------------------------
+def run_summary(cfg: EvalConfig, plan: Plan, samples: list[dict], bb_id: str) -> dict:
+    spec = plan.spec
+    allocation = None
+    if spec.adapter:
+        ac = read_adapter_config(spec.adapter)
+        allocation = {"layers": ac.get("layers"), "num_layers": (ac.get("backbone") or {}).get("num_layers"),
+                      "heads": ac.get("heads"), "head_dim": ac.get("head_dim"), "trained_history": ac.get("history"),
+                      "num_parameters": ac.get("num_parameters")}  # fmt: skip
+    summary = {
+        "name": spec.name, "run_dir": str(plan.run_dir), "task": spec.task, "metric": plan.task.metric,
+        "prompt_version": plan.task.prompt_version, "backbone": cfg.backbone, "backbone_id": bb_id,
+        "policy": spec.policy, "threshold": spec.threshold, "entropy_threshold": spec.entropy_threshold,
+        "adapter": spec.adapter, "adapter_label": spec.adapter_label, "history": spec.history,
+        "allocation": allocation, "gen_length": cfg.gen_length, "block_size": cfg.block_size,
+        "stop_at_eos": cfg.stop_at_eos, "batch_size": cfg.batch_size, "dtype": cfg.dtype, "chat": cfg.chat,
+        "limit": cfg.limit, "task_source": plan.task.source,
+        **aggregate(samples),
+        "devices": sorted({s["device"] for s in samples if s.get("device")}),
+    }  # fmt: skip
+    summary["method"] = method_label(summary)
+    return summary
+
+
+def _wandb_config(summary: dict, cfg: EvalConfig, group: str) -> dict:
+    keys = ("backbone", "backbone_id", "task", "policy", "method", "threshold", "entropy_threshold", "history",
+            "adapter", "adapter_label", "allocation", "gen_length", "block_size", "batch_size", "dtype", "limit",
+            "prompt_version")  # fmt: skip
+    return {**{k: summary.get(k) for k in keys}, "group": group, "output_dir": str(cfg.output_dir)}
+
+
+NUMERIC = ("accuracy", "n", "correct", "nfe_mean", "nfe_median", "seconds_mean", "seconds_median", "seconds_total",
+           "speedup_vs_original", "nfe_ratio_vs_original", "speedup_vs_threshold", "nfe_ratio_vs_threshold")
+
+
+def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> None:
+    """``summary.json`` + one W&B run, unless an identical summary was already written (a no-op resume)."""
+    from tdlm.tracking import Tracker
+
+    path = Path(summary["run_dir"]) / SUMMARY
+    if path.exists():
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(path.read_text()) == json.loads(json.dumps(summary)):
+                return
+    tracker = Tracker(summary["run_dir"], cfg.project, group, f"{summary['task']}/{summary['name']}",
+                      _wandb_config(summary, cfg, group), cfg.wandb_mode,
+                      job_type="eval")  # fmt: skip
+    tracker.log({k: summary[k] for k in NUMERIC if summary.get(k) is not None}, step=0)
+    if tracker.run is not None:
+        import wandb
+
+        cols = ["id", "correct", "status", "nfe", "seconds", "extracted"]
+        rows = [[s["id"], s["correct"], s["status"], s["nfe"], s["seconds"], (s["extracted"] or "")[:200]]
+                for s in samples]  # fmt: skip
+        tracker.run.log({"samples": wandb.Table(columns=cols, data=rows)}, step=0)
+    tracker.finish(summary)
+
+
+def log_comparison(cfg: EvalConfig, group: str, runs: list[dict], table: str, plots: list[Path]) -> None:
+    """A W&B run for the whole comparison: the run table and the Pareto plots."""
+    from tdlm.tracking import Tracker
+
+    tracker = Tracker(Path(cfg.output_dir) / "comparison", cfg.project, group, f"{group}/comparison",
+                      {"backbone": cfg.backbone, "tasks": cfg.tasks, "runs": len(runs), "group": group},
+                      cfg.wandb_mode, job_type="eval-comparison")  # fmt: skip
+    if tracker.run is not None:
+        import wandb
+
+        cols = ["task", "method", "accuracy", "nfe_mean", "seconds_mean", "speedup_vs_original",
+                "speedup_vs_threshold"]  # fmt: skip
+        data = [[r["task"], r["method"]] + [r.get(c) for c in cols[2:]] for r in runs]
+        payload = {"runs": wandb.Table(columns=cols, data=data), "tables_markdown": wandb.Html(f"<pre>{table}</pre>")}
+        payload.update({f"pareto/{p.stem}": wandb.Image(str(p)) for p in plots})
+        tracker.run.log(payload, step=0)
+    tracker.finish({"runs": len(runs), "table": "table.md"})
+
+
+# -- the job ------------------------------------------------------------------------------------------
+def evaluate(cfg: EvalConfig) -> EvalResult:
+    """Run (or finish) the evaluation of ``cfg``; see the module docstring."""
+    t0 = time.monotonic()
+    cfg.validate()
+    out = Path(cfg.output_dir).resolve()
+    group = cfg.group or out.name
+    plans = plan_runs(cfg)
+    W = num_workers(cfg)
+    jobs, skipped = shard_jobs(cfg, plans, W)
+    computed = sum(len(j.problems) for j in jobs)
+    log.info("%s: %d run(s), %d samples to decode, %d already done, %d worker(s)", out, len(plans), computed,
+             skipped, W)  # fmt: skip
+    if jobs:
+        if W == 1:
+            run_in_process(cfg, jobs)
+        else:
+            run_on_ray(cfg, jobs, W)
+    merged = []
+    for plan in plans:
+        recs = merge(plan.run_dir, [p.id for p in plan.task.problems])
+        for rec, prob in zip(recs, plan.task.problems, strict=True):
+            if rec["prompt"] != prob.prompt or rec["index"] != prob.index:
+                raise TDLMError(f"{plan.run_dir}: the stored prompt of {rec['id']} differs from the task's "
+                                f"(the data or prompt format changed); use another --output-dir")  # fmt: skip
+        merged.append(recs)
+    t_score = time.monotonic()
+    scored = _score_all(cfg, plans, merged)
+    log.info("planned + decoded in %.1f s, scored in %.1f s", t_score - t0, time.monotonic() - t_score)
+    bb_id = backbone_id(cfg.backbone)
+    runs = [run_summary(cfg, plan, samples, bb_id) for plan, samples in zip(plans, scored, strict=True)]
+    compute_speedups(runs, cfg.reference_tau)
+    changed = False
+    for plan, samples, summary in zip(plans, scored, runs, strict=True):
+        _write_jsonl(plan.run_dir / SAMPLES, samples)
+        before = (plan.run_dir / SUMMARY).read_text() if (plan.run_dir / SUMMARY).exists() else None
+        log_run(cfg, group, summary, samples)
+        changed |= before != (plan.run_dir / SUMMARY).read_text()
+    table = render(runs)
+    (out / "table.md").write_text(table)
+    plots = plot_all(runs, out)
+    _write_json(out / SUMMARY, {"group": group, "backbone": cfg.backbone, "backbone_id": bb_id,
+                                "output_dir": str(out), "workers": W, "config": cfg.to_dict(), "runs": runs,
+                                "table": "table.md", "plots": [p.name for p in plots]})  # fmt: skip
+    if changed:
+        log_comparison(cfg, group, runs, table, plots)
+    log.info("done in %.1f s: %d decoded, %d resumed; %s", time.monotonic() - t0, computed, skipped, out / "table.md")
+    return EvalResult(str(out), runs, table, str(out / SUMMARY), str(out / "table.md"), [str(p) for p in plots],
+                      computed, skipped, W)  # fmt: skip

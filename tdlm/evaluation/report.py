@@ -1,0 +1,238 @@
+"""Markdown tables from run summaries, shaped like the paper's tables.
+
+* :func:`main_table` - Table 1: rows = methods, per task the score, mean NFE, mean seconds and the
+  speedup over the original model (one table per backbone / budget);
+* :func:`history_table` - Table 2: one adapter and tau, rows = inference-time history restrictions;
+* :func:`allocation_table` - Table 4: rows = adapters (temporal-layer allocations) at one tau / history;
+* :func:`detail_table` - every run with both speedups and NFE ratios (the sweep behind Figure 1).
+
+Everything reads plain run dicts (``runs/<task>/<run>/summary.json``), so ``eval/compare.py`` renders the
+same tables from files without W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tdlm.errors import TDLMError
+from tdlm.evaluation.config import RUN_ORDER as POLICY_ORDER  # the paper's row order
+from tdlm.tasks import TASK_NAMES
+
+TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH-500", "mbpp": "MBPP", "arith": "Arith"}
+
+
+def method_label(run: dict) -> str:
+    p = run["policy"]
+    if p == "original":
+        return "Original"
+    if p == "threshold":
+        return f"Fast-dLLM τ={run['threshold']:g}"
+    if p == "entropy":
+        return f"Entropy H={run['entropy_threshold']:g}"
+    return f"TDLM τ={run['threshold']:g} [{run.get('adapter_label')}, {run.get('history')}]"
+
+
+def method_key(run: dict) -> tuple:
+    return (run["policy"], run.get("threshold"), run.get("entropy_threshold"), run.get("adapter_label"),
+            run.get("history"))  # fmt: skip
+
+
+def _history_rank(h: str | None) -> tuple:
+    h = h or ""
+    if h == "current":
+        return (0, 0)
+    m = re.fullmatch(r"last:(\d+)", h)
+    if m:
+        return (1, int(m.group(1)))
+    if h == "full":
+        return (2, 0)
+    return (3, h)
+
+
+def sort_key(run: dict) -> tuple:
+    p = run["policy"]
+    return (POLICY_ORDER.index(p) if p in POLICY_ORDER else 9, run.get("adapter_label") or "",
+            run.get("threshold") or 0.0, run.get("entropy_threshold") or 0.0,
+            _history_rank(run.get("history")))  # fmt: skip
+
+
+def _f(v: float | None, digits: int) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.2f}"
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _setting_groups(runs: Sequence[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r.get("backbone_id") or r["backbone"], r["gen_length"], r["block_size"]), []).append(r)
+    return groups
+
+
+def _title(key: tuple) -> str:
+    backbone, gen, block = key
+    return f"{backbone} (N={gen}, block {block})"
+
+
+def _tasks(runs: Sequence[dict]) -> list[str]:
+    present = {r["task"] for r in runs}
+    return [t for t in TASK_NAMES if t in present] + sorted(present - set(TASK_NAMES))
+
+
+def main_table(runs: Sequence[dict]) -> str:
+    """Table 1: rows = methods, per task Acc (%) / NFE / Sec / Speedup over original."""
+    out = []
+    for key, group in _setting_groups(runs).items():
+        tasks = _tasks(group)
+        header = ["Method"]
+        for t in tasks:
+            title = TASK_TITLES.get(t, t)
+            header += [f"{title} Acc", f"{title} NFE", f"{title} Sec", f"{title} Speedup"]
+        rows: dict[tuple, dict[str, dict]] = {}
+        for r in sorted(group, key=sort_key):
+            rows.setdefault(method_key(r), {})[r["task"]] = r
+        body = []
+        for cells in rows.values():
+            first = next(iter(cells.values()))
+            line = [method_label(first)]
+            for t in tasks:
+                r = cells.get(t)
+                line += (["–"] * 4 if r is None else
+                         [_pct(r["accuracy"]), _f(r["nfe_mean"], 2), _f(r["seconds_mean"], 3),
+                          _x(r.get("speedup_vs_original"))])  # fmt: skip
+            body.append(line)
+        out.append(f"### {_title(key)}\n\n{_table(header, body)}")
+    return "\n\n".join(out)
+
+
+def history_table(runs: Sequence[dict]) -> str:
+    """Table 2: the history restriction of one adapter (rows current, last:k ..., full)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["policy"] == "tdlm":
+            k = (r.get("backbone_id") or r["backbone"], r["task"], r["gen_length"], r["block_size"],
+                 r.get("adapter_label"), r["threshold"])  # fmt: skip
+            groups.setdefault(k, []).append(r)
+    out = []
+    for (backbone, task, gen, block, label, tau), group in groups.items():
+        if len({r.get("history") for r in group}) < 2:
+            continue
+        group = sorted(group, key=lambda r: _history_rank(r.get("history")))
+        body = [[r.get("history") or "?", _pct(r["accuracy"]), _f(r["nfe_mean"], 2), _f(r["seconds_mean"], 3),
+                 _x(r.get("speedup_vs_original"))] for r in group]  # fmt: skip
+        out.append(f"### History restriction: {TASK_TITLES.get(task, task)}, adapter {label}, τ={tau:g} "
+                   f"({backbone}, N={gen}, block {block})\n\n"
+                   + _table(["History", "Acc (%)", "NFE", "Avg. sec", "Speedup"], body))  # fmt: skip
+    return "\n\n".join(out)
+
+
+def allocation_label(run: dict) -> str:
+    alloc = run.get("allocation") or {}
+    layers = alloc.get("layers")
+    if not layers:
+        return "?"
+    return f"{len(layers)} of {alloc.get('num_layers', '?')}: {','.join(map(str, layers))}"
+
+
+def allocation_table(runs: Sequence[dict]) -> str:
+    """Table 4: adapters with different temporal-layer allocations at the same tau and history."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if r["policy"] == "tdlm":
+            k = (r.get("backbone_id") or r["backbone"], r["task"], r["gen_length"], r["block_size"],
+                 r["threshold"], r.get("history"))  # fmt: skip
+            groups.setdefault(k, []).append(r)
+    out = []
+    for (backbone, task, gen, block, tau, hist), group in groups.items():
+        if len({r.get("adapter_label") for r in group}) < 2:
+            continue
+        group = sorted(group, key=lambda r: str(r.get("adapter_label")))
+        body = [[str(r.get("adapter_label")), allocation_label(r), _pct(r["accuracy"]), _f(r["nfe_mean"], 2),
+                 _f(r["seconds_mean"], 3)] for r in group]  # fmt: skip
+        out.append(f"### Temporal-layer allocations: {TASK_TITLES.get(task, task)}, τ={tau:g}, history {hist} "
+                   f"({backbone}, N={gen}, block {block})\n\n"
+                   + _table(["Adapter", "Temporal layers", "Acc (%)", "NFE", "Avg. sec"], body))  # fmt: skip
+    return "\n\n".join(out)
+
+
+def detail_table(runs: Sequence[dict]) -> str:
+    """Every run: score, NFE, seconds, speedup and NFE ratio over original and over threshold."""
+    header = ["Backbone", "Task", "Method", "n", "Acc (%)", "NFE", "Avg. sec", "× orig", "NFE ÷ orig",
+              "× thr", "NFE ÷ thr", "thr τ"]  # fmt: skip
+    body = []
+    for r in sorted(runs, key=lambda r: (str(r.get("backbone_id") or r["backbone"]), _tasks([r])[0], sort_key(r))):
+        tau = r.get("threshold_baseline_tau")
+        body.append([str(r.get("backbone_id") or r["backbone"]), TASK_TITLES.get(r["task"], r["task"]),
+                     method_label(r), str(r["n"]), _pct(r["accuracy"]), _f(r["nfe_mean"], 2),
+                     _f(r["seconds_mean"], 3), _x(r.get("speedup_vs_original")), _x(r.get("nfe_ratio_vs_original")),
+                     _x(r.get("speedup_vs_threshold")), _x(r.get("nfe_ratio_vs_threshold")),
+                     "–" if tau is None else f"{tau:g}"])  # fmt: skip
+    return _table(header, body)
+
+
+def render(runs: Sequence[dict]) -> str:
+    """All applicable tables as one Markdown document."""
+    if not runs:
+        return "(no runs)\n"
+    parts = ["## Main comparison (Table 1)", main_table(runs)]
+    hist = history_table(runs)
+    if hist:
+        parts += ["## History restriction (Table 2)", hist]
+    alloc = allocation_table(runs)
+    if alloc:
+        parts += ["## Temporal-layer allocation (Table 4)", alloc]
+    parts += ["## All runs", detail_table(runs)]
+    return "\n\n".join(parts) + "\n"
+
+
+def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
+    """Run summaries from evaluation output dirs, run dirs, or summary files.
+
+    An output dir contributes every ``runs/<task>/<run>/summary.json`` it holds (also runs of earlier
+    invocations with other sweeps, and a partly finished evaluation); a dir without ``runs/`` its own
+    ``summary.json``. Duplicates (the same run dir twice) are dropped.
+    """
+    runs: list[dict] = []
+    seen: set[str] = set()
+    for raw in paths:
+        p = Path(raw)
+        if p.is_file():
+            files = [p]
+        elif p.is_dir() and (p / "runs").is_dir():
+            files = sorted(p.glob("runs/*/*/summary.json"))
+        elif (p / "summary.json").is_file():
+            files = [p / "summary.json"]
+        else:
+            raise TDLMError(f"{p}: not found (expected an evaluation output dir or a summary.json)")
+        if not files:
+            raise TDLMError(f"{p}: no runs/*/*/summary.json yet (has the evaluation finished a run?)")
+        for f in files:
+            try:
+                data = json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                raise TDLMError(f"{f}: invalid JSON: {e}") from e
+            items = data.get("runs") if isinstance(data, dict) and "runs" in data else [data]
+            for r in items:
+                if not isinstance(r, dict) or "policy" not in r or "task" not in r:
+                    raise TDLMError(f"{f}: not an evaluation summary (a run needs 'policy' and 'task')")
+                key = r.get("run_dir") or json.dumps(r, sort_keys=True)
+                if key not in seen:
+                    seen.add(key)
+                    runs.append(r)
+    return runs

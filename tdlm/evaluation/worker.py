@@ -1,0 +1,164 @@
+"""One evaluation worker: a backbone replica that decodes shards and appends per-sample records.
+
+Plain Python so that ``--workers 1`` runs it in-process and tests use it without Ray; the driver wraps
+it with ``ray.remote`` (one actor per GPU, or CPU actors). The worker loads the backbone and its
+tokenizer once, and the TDLM adapters lazily (one :class:`tdlm.TDLM` per adapter folder; the history
+restriction is switched with :meth:`tdlm.TDLM.set_history`, which leaves the weights untouched).
+
+For every shard job: open the shard file (cutting an interrupted last line), skip ids already there
+(a Ray retry or a resumed evaluation), build prompt ids with the chat template
+(:func:`tdlm.tokenizer.encode_prompts`), run ``warmup`` untimed decodes so the timed ones exclude
+lazy initialisation (CUDA context, allocator, kernel selection), then decode ``batch_size`` prompts at
+a time and append one flushed record per sample. Records carry the generation, the response token ids,
+NFE and the seconds :func:`tdlm.decode` measured (device-synchronised; with batch size 1 the latency of
+that request).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tdlm.decoding import DecodeConfig, decode
+from tdlm.evaluation.records import Appender, read_records, shard_path
+
+# Test-only fault injection: "<n>" makes the process SIGKILL itself right after writing its n-th record.
+KILL_AFTER_ENV = "TDLM_EVAL_TEST_KILL_AFTER"
+_SESSION = uuid.uuid4().hex[:12]  # one per process: shows which process wrote a record (resume tests)
+_written = 0  # records written by this process (for the fault injection)
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker loads (sent to each actor's constructor)."""
+
+    backbone: str
+    dtype: str | None = None
+    device: str | None = None  # None: cuda if available else cpu
+    threads: int | None = None  # torch intra-op threads on CPU; None = as set by Ray / OMP
+    chat: bool = True
+
+
+@dataclass
+class ShardJob:
+    """Decode the problems of one shard of one run (only those without a record yet)."""
+
+    run: dict  # RunSpec fields
+    run_dir: str
+    shard: int
+    num_shards: int
+    problems: list[tuple[str, int, str]]  # (id, split index, user prompt text)
+    decode: dict  # DecodeConfig fields
+    batch_size: int = 1
+    warmup: int = 1
+
+
+@dataclass
+class ShardReport:
+    run_dir: str
+    shard: int
+    computed: int  # samples decoded by this call
+    skipped: int  # samples that already had a record
+    seconds: float
+    worker: dict = field(default_factory=dict)
+
+
+def resolve_device(device: str | None) -> str:
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class EvalWorker:
+    """A backbone replica. Construction never raises: an error is kept and re-raised by :meth:`info`
+    and :meth:`run_shard`, so a bad path reaches the driver as one TDLMError instead of an actor that
+    Ray restarts until its budget is gone."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.error: BaseException | None = None
+        self._adapters: dict[str, object] = {}
+        kill = os.environ.get(KILL_AFTER_ENV)
+        self.kill_after = int(kill) if kill and kill.isdigit() else None
+        try:
+            self._load()
+        except Exception as e:  # re-raised on the driver's first call
+            self.error = e
+
+    def _load(self) -> None:
+        from tdlm.models.loading import load_backbone
+        from tdlm.tokenizer import load_tokenizer, stop_token_ids
+
+        spec = self.spec
+        self.device = resolve_device(spec.device)
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=self.device)
+        self.tokenizer = load_tokenizer(spec.backbone)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.backbone.eos_token_id)
+        name = torch.cuda.get_device_name(torch.device(self.device)) if self.device.startswith("cuda") else "cpu"
+        self.meta = {"pid": os.getpid(), "host": socket.gethostname(), "device": self.device, "device_name": name,
+                     "threads": torch.get_num_threads(), "session": _SESSION}  # fmt: skip
+
+    def info(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        return {"backbone_id": self.backbone.backbone_id, **self.meta}
+
+    def _model(self, run: dict):
+        if run["policy"] != "tdlm":
+            return self.backbone
+        from tdlm.model import TDLM
+
+        path = run["adapter"]
+        model = self._adapters.get(path)
+        if model is None:
+            model = TDLM.from_adapter(self.backbone, path, history=run["history"]).to(self.device).eval()
+            self._adapters[path] = model
+        model.set_history(run["history"])
+        return model
+
+    def run_shard(self, job: ShardJob, progress: Callable[[int], None] | None = None) -> ShardReport:
+        """Decode the shard's remaining problems, appending one record per sample; see the module docstring."""
+        from tdlm.tokenizer import encode_prompts
+
+        if self.error is not None:
+            raise self.error
+        t0 = time.perf_counter()
+        path = shard_path(job.run_dir, job.shard, job.num_shards)
+        with Appender(path) as out:  # cuts an interrupted last line before we read and append
+            done = {r["id"] for r in read_records(path)}
+            todo = [p for p in job.problems if p[0] not in done]
+            if todo:
+                model = self._model(job.run)
+                cfg = DecodeConfig(**job.decode).validate()
+                ids = encode_prompts(self.tokenizer, [p[2] for p in todo], chat=self.spec.chat)
+                kw = dict(tokenizer=self.tokenizer, stop_ids=self.stop_ids)
+                for _ in range(job.warmup):
+                    decode(model, ids[: job.batch_size], cfg, **kw)
+                for start in range(0, len(todo), job.batch_size):
+                    chunk = range(start, min(start + job.batch_size, len(todo)))
+                    results = decode(model, [ids[i] for i in chunk], cfg, **kw)
+                    for i, r in zip(chunk, results, strict=True):
+                        pid, index, prompt = todo[i]
+                        out.write({
+                            "id": pid, "index": index, "prompt": prompt, "generation": r.text, "nfe": r.nfe,
+                            "seconds": r.seconds, "prompt_tokens": len(ids[i]), "tokens": r.tokens,
+                            "batch_size": len(chunk), "worker": self.meta,
+                        })  # fmt: skip
+                        self._count_written()
+                    if progress is not None:
+                        progress(len(chunk))
+        return ShardReport(job.run_dir, job.shard, len(todo), len(job.problems) - len(todo),
+                           time.perf_counter() - t0, dict(self.meta))  # fmt: skip
+
+    def _count_written(self) -> None:
+        global _written
+        _written += 1
+        if self.kill_after is not None and _written >= self.kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # a hard death right after a flushed record
