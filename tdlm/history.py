@@ -5,11 +5,16 @@ A policy decides which earlier evaluations J_p(i) a masked position may retrieve
 * ``full``     - every earlier evaluation j < i (the paper's main setting);
 * ``last:k``   - the k most recent earlier evaluations, i-k <= j < i;
 * ``current``  - only the current evaluation's own entry j = i (plus the sink); the learned
-  Q/K/sink gate is kept but no history is used.
+  Q/K/sink gate is kept but no history is used;
+* ``latent:M`` - bounded memory: M latent vectors per position and temporal layer, folded forward by
+  a Perceiver block after each evaluation (``tdlm/perceiver.py``). The query reads the latents, not
+  the entries, so memory is constant in the number of steps. This policy is recurrent: it has no
+  parallel mask, and needs perceiver weights trained with it (:class:`LatentCache`).
 
 In every case an entry j is usable at position p only if p was masked in S_j (A_{p,i,j} of
 Section 2.3). The same policy object gives the parallel mask over K sampled states and the window
-of cache entries in step-wise decoding, so Prop. 2 holds policy by policy.
+of cache entries in step-wise decoding, so Prop. 2 holds policy by policy (``latent:M`` instead
+evaluates sampled states one after another, which is the step-wise computation itself).
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from tdlm.errors import TDLMError
 
 @dataclass(frozen=True)
 class HistoryPolicy:
-    kind: str  # "full" | "last" | "current"
-    k: int = 0
+    kind: str  # "full" | "last" | "current" | "latent"
+    k: int = 0  # k of last:k, M of latent:M
 
     @classmethod
     def parse(cls, spec: str | HistoryPolicy) -> HistoryPolicy:
@@ -34,20 +39,34 @@ class HistoryPolicy:
         s = str(spec).strip().lower()
         if s in ("full", "current"):
             return cls(s)
-        m = re.fullmatch(r"last:(\d+)", s)
-        if m and int(m.group(1)) >= 1:
-            return cls("last", int(m.group(1)))
-        raise TDLMError(f"history policy {spec!r} not understood; expected 'full', 'current' or 'last:k' (k >= 1)")
+        m = re.fullmatch(r"(last|latent):(\d+)", s)
+        if m and int(m.group(2)) >= 1:
+            return cls(m.group(1), int(m.group(2)))
+        raise TDLMError(
+            f"history policy {spec!r} not understood; expected 'full', 'current', 'last:k' or 'latent:M' (k, M >= 1)"
+        )
 
     def __str__(self) -> str:
-        return f"last:{self.k}" if self.kind == "last" else self.kind
+        return f"{self.kind}:{self.k}" if self.kind in ("last", "latent") else self.kind
 
     @property
     def uses_cache(self) -> bool:
         return self.kind != "current"
 
+    @property
+    def recurrent(self) -> bool:
+        """True for ``latent:M``: the state after S_i depends on S_i, so inputs are evaluated in order."""
+        return self.kind == "latent"
+
+    @property
+    def num_latents(self) -> int:
+        """M of ``latent:M``; 0 for the entry-based policies."""
+        return self.k if self.kind == "latent" else 0
+
     def parallel_mask(self, K: int, device: torch.device | None = None) -> torch.Tensor:
         """(K_i, K_j) bool: which sampled input j may serve input i, before the m_{j,p} factor."""
+        if self.recurrent:
+            raise TDLMError(f"history {self} is recurrent and has no parallel mask; evaluate the states in order")
         i = torch.arange(K, device=device)[:, None]
         j = torch.arange(K, device=device)[None, :]
         if self.kind == "full":
@@ -58,6 +77,8 @@ class HistoryPolicy:
 
     def window(self, n: int) -> tuple[int, int]:
         """Cache entries [start, n) visible to the next evaluation, given n stored entries."""
+        if self.recurrent:
+            raise TDLMError(f"history {self} stores latents, not entries; it has no window")
         if self.kind == "full":
             return 0, n
         if self.kind == "last":
@@ -175,3 +196,73 @@ class TemporalCache:
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
+
+
+@dataclass
+class LatentCache(TemporalCache):
+    """Step-wise memory of ``latent:M``: per temporal layer, latents (B, N, M, d) of every position.
+
+    Instead of a growing list of entries each layer holds M vectors per response position, so the
+    size is B N (L_t M d + 1) elements plus B progress counts, whatever the number of steps.
+    ``r_last`` (B,) is the revealed-token count of the input that last updated the latents (0 before
+    the first update; it rotates the latent keys, see ``tdlm/model.py``). ``alive`` (B, N) marks
+    positions masked in every evaluation so far; a revealed position's latents are dead.
+    The latents carry autograd history when written under grad (training through the recurrence).
+    """
+
+    latents: dict[int, torch.Tensor] = field(default_factory=dict)
+    r_last: torch.Tensor | None = None
+    alive: torch.Tensor | None = None
+
+    def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        raise TDLMError("a latent cache holds latents, not history entries; read it with cache.read(layer)")
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> None:
+        raise TDLMError("a latent cache holds latents, not history entries; write it with cache.write(...)")
+
+    def read(self, layer: int) -> torch.Tensor | None:
+        """Latents (B, N, M, d) of ``layer``, or None before the first evaluation (use the initial ones)."""
+        return self.latents.get(layer)
+
+    def write(self, latents: dict[int, torch.Tensor]) -> None:
+        """Replace the latents of the layers in ``latents`` (each (B, N, M, d)) after an evaluation."""
+        for layer, t in latents.items():
+            if t.shape[:2] != (self.batch_size, self.length):
+                raise TDLMError(
+                    f"latents of layer {layer} have shape {tuple(t.shape)}; cache holds batch "
+                    f"{self.batch_size} x {self.length} positions"
+                )
+            self.latents[layer] = t
+
+    def progress(self, device: torch.device) -> torch.Tensor:
+        """(B,) r at which the latents were last updated (0 for the learned initial latents)."""
+        if self.r_last is None:
+            self.r_last = torch.zeros(self.batch_size, dtype=torch.long, device=device)
+        return self.r_last
+
+    def commit(self, masked: torch.Tensor) -> None:
+        """Finish an evaluation whose input had ``masked`` (B, N) response positions."""
+        self.steps += 1
+        self.r_last = (~masked).sum(-1)
+        self.alive = masked.clone() if self.alive is None else self.alive & masked
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
+        index = index.to(torch.long)
+        for layer, t in self.latents.items():
+            self.latents[layer] = t.index_select(0, index.to(t.device))
+        if self.r_last is not None:
+            self.r_last = self.r_last.index_select(0, index.to(self.r_last.device))
+        if self.alive is not None:
+            self.alive = self.alive.index_select(0, index.to(self.alive.device))
+        self.batch_size = int(index.numel())
+
+    def valid_entries(self) -> torch.Tensor | None:
+        """(B, N) evaluations folded into each live position's latents (0 where dead)."""
+        if self.alive is None:
+            return None
+        return self.alive.long() * self.steps
+
+    def nbytes(self) -> int:
+        tensors = [*self.latents.values(), self.r_last, self.alive]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -12,6 +12,27 @@ Two evaluation modes compute the same function (Prop. 2):
 
 With every W_O = 0 both modes equal the backbone bit for bit (Prop. 1).
 
+**Bounded-memory history** ``latent:M`` (``tdlm/perceiver.py``): each temporal layer owns M learned
+initial latents (M, d) and an LDLM Perceiver block. A masked position's query q = R(r_i) W_Q h (Eq. 7)
+attends, with the zero-value sink (Eq. 8-9), to k = R(r_last) W_K u, v = W_V u of its M latents u
+instead of the full history; then the latents absorb the current pre-correction entry,
+u <- u + Perceiver(u, [h_{l,p}(S_i)]). Choices:
+
+* RoPE on latent keys: rotated by r_last, the revealed count of the input whose entry last updated
+  them (0 for the learned initial latents). The score then depends on r_i - r_last, the tokens
+  revealed since the summary was refreshed, as the newest full-history key's does; latents fold in
+  many entries, so no single older r is theirs.
+* The query reads the latents *before* they absorb S_i, so, as in full history, S_i's own entry is
+  not retrieved by S_i.
+* The policy is recurrent, so ``forward_states`` evaluates the K states in order through
+  :meth:`TDLM.forward_step` with a fresh cache, stacking logits; it equals step-wise decoding
+  exactly, and gradients flow through the latent updates (nothing is detached).
+* It is not history-only: on the first evaluation the query already sees the learned initial
+  latents, so Prop. 1's cold-start half does not apply (nonzero W_O may correct S_0). A zero W_O
+  still gives the backbone bit for bit in both modes.
+* Perceiver weights exist only for adapters built with ``latent:M``; switching between latent and
+  entry-based policies (or to another M) raises :class:`TDLMError`.
+
 Masked positions m_{i,p} are the response positions p >= prompt_len holding the mask token; r_i is
 the number of revealed response tokens. Batches are left-padded (prompts of different lengths end at
 the same index ``prompt_len``), so the response region is the same slice for every row.
@@ -32,8 +53,9 @@ from torch.utils.checkpoint import checkpoint
 
 from tdlm.adapter import TemporalAttention, resolve_layers, sink_softmax, temporal_parameter_count
 from tdlm.errors import TDLMError
-from tdlm.history import HistoryPolicy, TemporalCache
+from tdlm.history import HistoryPolicy, LatentCache, TemporalCache
 from tdlm.models.common import Backbone, ForwardContext
+from tdlm.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_count
 
 ADAPTER_FORMAT_VERSION = 1
 ADAPTER_WEIGHTS = "adapter.safetensors"
@@ -47,21 +69,36 @@ class TemporalConfig:
     layers: str | list[int] | None = None  # "dispersed:N" | "middle:N" | "all" | [indices]
     heads: int | None = None  # M
     head_dim: int | None = None  # d_h; d_t = M * d_h
-    history: str = "full"  # "full" | "last:k" | "current"
+    history: str = "full"  # "full" | "last:k" | "current" | "latent:M"
     rope_base: float = 10000.0  # temporal RoPE base (Eq. 7)
+    # Perceiver block of latent:M only (tdlm/perceiver.py); None = the temporal heads x head_dim, so
+    # d_attn = d_t (LDLM's d_attn = d would be ~100M parameters per layer at d = 4096).
+    perceiver_heads: int | None = None
+    perceiver_head_dim: int | None = None
 
     def resolved(self, backbone: Backbone) -> TemporalConfig:
         d = backbone.default_temporal()
         layers = self.layers if self.layers is not None else d["layers"]
+        policy = HistoryPolicy.parse(self.history)
         out = dataclasses.replace(
             self,
             layers=resolve_layers(layers, backbone.num_layers, backbone.backbone_id or backbone.family),
             heads=self.heads if self.heads is not None else d["heads"],
             head_dim=self.head_dim if self.head_dim is not None else d["head_dim"],
-            history=str(HistoryPolicy.parse(self.history)),
+            history=str(policy),
         )
         if out.heads < 1 or out.head_dim < 2:
             raise TDLMError(f"temporal heads must be >= 1 and head_dim >= 2; got {out.heads} x {out.head_dim}")
+        if not policy.recurrent:
+            if (self.perceiver_heads, self.perceiver_head_dim) != (None, None):
+                raise TDLMError(f"perceiver_heads/perceiver_head_dim apply to history 'latent:M' only; got {policy}")
+            return out
+        out.perceiver_heads = out.perceiver_heads if out.perceiver_heads is not None else out.heads
+        out.perceiver_head_dim = out.perceiver_head_dim if out.perceiver_head_dim is not None else out.head_dim
+        if out.perceiver_heads < 1 or out.perceiver_head_dim < 1:
+            raise TDLMError(
+                f"perceiver heads and head_dim must be >= 1; got {out.perceiver_heads} x {out.perceiver_head_dim}"
+            )
         return out
 
 
@@ -82,7 +119,20 @@ class TDLM(nn.Module):
                 )
                 for i in self.layer_ids
             }
-        ).to(device=param.device, dtype=param.dtype if param.dtype.is_floating_point else torch.float32)
+        )
+        if self.policy.recurrent:
+            # The latent memory is part of each temporal layer, so it trains, counts and saves with it.
+            for mod in self.temporal.values():
+                mod.add_module(
+                    "memory",
+                    LatentMemory(
+                        backbone.hidden_size,
+                        self.policy.num_latents,
+                        self.config.perceiver_heads,
+                        self.config.perceiver_head_dim,
+                    ),
+                )
+        self.temporal.to(device=param.device, dtype=param.dtype if param.dtype.is_floating_point else torch.float32)
         self.activation_checkpointing = False
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -99,17 +149,49 @@ class TDLM(nn.Module):
         return sum(p.numel() for p in self.temporal.parameters())
 
     def expected_temporal_parameters(self) -> int:
-        return temporal_parameter_count(
-            self.backbone.hidden_size, len(self.layer_ids), self.config.heads, self.config.head_dim
-        )
+        """L_t (4 d d_t + 1) (Section 2.4), plus L_t (M d + Perceiver) for latent:M."""
+        d, n = self.backbone.hidden_size, len(self.layer_ids)
+        total = temporal_parameter_count(d, n, self.config.heads, self.config.head_dim)
+        if self.num_latents:
+            per = self.num_latents * d + perceiver_parameter_count(
+                d, self.config.perceiver_heads, self.config.perceiver_head_dim
+            )
+            total += n * per
+        return total
+
+    @property
+    def num_latents(self) -> int:
+        """M of the latent memory the temporal layers carry (0: entry-based history, no perceiver)."""
+        memory = getattr(self.temporal[str(self.layer_ids[0])], "memory", None)
+        return memory.num_latents if isinstance(memory, LatentMemory) else 0
 
     def set_history(self, history: str | HistoryPolicy) -> None:
         """Change the inference-time history restriction (Table 2) of a fixed checkpoint."""
-        self.policy = HistoryPolicy.parse(history)
+        policy = HistoryPolicy.parse(history)
+        _check_history_switch(self.policy, self.num_latents, policy)
+        self.policy = policy
         self.config = dataclasses.replace(self.config, history=str(self.policy))
 
     def new_cache(self, batch_size: int) -> TemporalCache:
-        return TemporalCache(batch_size=batch_size, policy=self.policy)
+        cls = LatentCache if self.policy.recurrent else TemporalCache
+        return cls(batch_size=batch_size, policy=self.policy)
+
+    def temporal_cache_bytes(self, batch_size: int, length: int, steps: int) -> int:
+        """``cache.nbytes()`` after ``steps`` evaluations of ``length`` response positions.
+
+        Entry-based policies store, per layer, entries of key + value (2 d_t) and a validity flag:
+        ``full`` in a capacity of max(8, 2^ceil(log2 steps)) entries (storage doubles), ``last:k`` in
+        k, ``current`` nothing. ``latent:M`` stores M d per position and layer, whatever ``steps`` is.
+        """
+        if steps <= 0 or not self.policy.uses_cache:
+            return 0
+        es = next(self.temporal.parameters()).element_size()
+        B, N, L_t = batch_size, length, len(self.layer_ids)
+        if self.policy.recurrent:  # latents + alive flags (B, N) + r_last (B,) int64
+            return L_t * B * N * self.num_latents * self.backbone.hidden_size * es + B * N + B * 8
+        d_t = self.config.heads * self.config.head_dim
+        cap = self.policy.k if self.policy.kind == "last" else max(8, 1 << (steps - 1).bit_length())
+        return L_t * B * cap * N * (2 * d_t * es + 1)
 
     # -- shared pieces -------------------------------------------------------------------------
     def _masked(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -146,6 +228,7 @@ class TDLM(nn.Module):
         """Logits (B, K, L, V) for K states S_0..S_{K-1} of each trajectory, evaluated together.
 
         input_ids (B, K, L) in trajectory order; attention_mask (B, L) or (B, K, L), 1 = token.
+        A recurrent history (``latent:M``) evaluates the states in order with a fresh cache instead.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 3:
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -158,6 +241,15 @@ class TDLM(nn.Module):
             if attention_mask.dim() == 2:
                 attention_mask = attention_mask[:, None].expand(B, K, L)
             attention_mask = attention_mask.reshape(B * K, L)
+        if self.policy.recurrent:
+            # S_i's latents depend on S_{i-1}'s layer outputs: no parallel mask, run the steps in order.
+            cache = self.new_cache(B)
+            am = None if attention_mask is None else attention_mask.view(B, K, L)
+            steps = [
+                self.forward_step(input_ids[:, i], prompt_len, cache, None if am is None else am[:, i])
+                for i in range(K)
+            ]
+            return torch.stack(steps, dim=1)  # (B, K, L, V)
         masked = self._masked(input_ids, prompt_len)  # (B, K, N)
         r = (~masked).sum(-1)  # (B, K) revealed response tokens r_i
         allowed = self.policy.parallel_mask(K, input_ids.device)[None, None] & masked.transpose(1, 2)[:, :, None, :]
@@ -196,6 +288,10 @@ class TDLM(nn.Module):
         masked = self._masked(input_ids, prompt_len)  # (B, N)
         r = (~masked).sum(-1)  # (B,)
         mcol = masked.unsqueeze(-1)
+        if self.policy.recurrent:
+            if not isinstance(cache, LatentCache):
+                raise TDLMError(f"history {self.policy} needs a latent cache; create it with model.new_cache(B)")
+            return self._latent_step(input_ids, prompt_len, cache, attention_mask, masked, r)
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
@@ -218,6 +314,47 @@ class TDLM(nn.Module):
             return torch.cat([h[:, :prompt_len], hr + delta], 1)
 
         logits = self._run(input_ids, attention_mask, insert)
+        cache.commit(masked)
+        return logits
+
+    def _latent_step(
+        self,
+        input_ids: torch.Tensor,
+        prompt_len: int,
+        cache: LatentCache,
+        attention_mask: torch.Tensor | None,
+        masked: torch.Tensor,
+        r: torch.Tensor,
+    ) -> torch.Tensor:
+        """One evaluation under ``latent:M``: read the latents, correct (Eq. 2), fold in h (Perceiver)."""
+        B, N = masked.shape
+        # Read from a snapshot and write into a per-call dict, so that a checkpointed layer recomputed
+        # during backward sees this step's latents and cannot overwrite a later step's cache.
+        lat_in = dict(cache.latents)
+        r_lat = cache.progress(input_ids.device)[:, None, None]  # (B, 1, 1) -> over (N, M)
+        lat_out: dict[int, torch.Tensor] = {}
+        mcol = masked.unsqueeze(-1)
+
+        def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
+            mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
+            if mod is None:
+                return h
+            hr = h[:, prompt_len:]  # (B, N, d): h_{l,p}(S_i), before the correction
+            lat = lat_in.get(layer)
+            if lat is None:
+                lat = mod.memory.initial(B, N)  # (B, N, M, d) learned initial latents
+            q = mod.project_query(hr, r[:, None])  # (B, N, H, dh), rotated by r_i
+            k, v = mod.project_key_value(lat, r_lat)  # (B, N, M, H, dh), keys rotated by r_last
+            scores = torch.einsum("bnhd,bnjhd->bnhj", q, k) / mod.head_dim**0.5  # (B, N, H, M)
+            every = torch.ones((), dtype=torch.bool, device=scores.device).expand(scores.shape)
+            w = sink_softmax(scores, every, mod.sink)  # Eq. 8-9 over M latents + sink
+            z = torch.einsum("bnhj,bnjhd->bnhd", w.to(v.dtype), v)  # (B, N, H, dh)
+            delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
+            lat_out[layer] = mod.memory.update(lat, hr, masked)  # u + Perceiver(u, [h]) where masked
+            return torch.cat([h[:, :prompt_len], hr + delta], 1)
+
+        logits = self._run(input_ids, attention_mask, insert)
+        cache.write(lat_out)
         cache.commit(masked)
         return logits
 
@@ -244,6 +381,16 @@ class TDLM(nn.Module):
             "history": str(self.policy),
             "rope_base": self.config.rope_base,
             "num_parameters": self.num_temporal_parameters(),
+            **({"perceiver": self._perceiver_config()} if self.num_latents else {}),
+        }
+
+    def _perceiver_config(self) -> dict:
+        return {
+            "num_latents": self.num_latents,
+            "heads": self.config.perceiver_heads,
+            "head_dim": self.config.perceiver_head_dim,
+            "norm_eps": NORM_EPS,
+            "softcap": SOFTCAP,
         }
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
@@ -283,12 +430,26 @@ class TDLM(nn.Module):
                     f"{cfg_path}: adapter was trained for backbone.{field}={bb.get(field)} "
                     f"({bb.get('id')}); this backbone has {field}={have} ({backbone.backbone_id})"
                 )
+        trained = HistoryPolicy.parse(raw.get("history", "full"))
+        perceiver = raw.get("perceiver") or {}
+        if trained.recurrent != bool(perceiver) or perceiver.get("num_latents", 0) != trained.num_latents:
+            raise TDLMError(
+                f"{cfg_path}: history={str(trained)!r} and perceiver={raw.get('perceiver')!r} disagree "
+                f"(latent:M needs perceiver.num_latents = M; other policies have no perceiver)"
+            )
+        for key, have in (("norm_eps", NORM_EPS), ("softcap", SOFTCAP)):
+            if key in perceiver and perceiver[key] != have:
+                raise TDLMError(f"{cfg_path}: perceiver.{key}={perceiver[key]!r}; this tdlm implements {have}")
+        requested = HistoryPolicy.parse(history) if history else trained
+        _check_history_switch(trained, trained.num_latents, requested, where=f"{d}: ")
         config = TemporalConfig(
             layers=list(raw["layers"]),
             heads=int(raw["heads"]),
             head_dim=int(raw["head_dim"]),
-            history=history or raw.get("history", "full"),
+            history=str(requested),
             rope_base=float(raw.get("rope_base", 10000.0)),
+            perceiver_heads=int(perceiver["heads"]) if perceiver else None,
+            perceiver_head_dim=int(perceiver["head_dim"]) if perceiver else None,
         )
         model = cls(backbone, config)
         state = load_file(str(w_path))
@@ -305,3 +466,22 @@ class TDLM(nn.Module):
                 )
         model.temporal.load_state_dict({k.removeprefix("temporal."): v for k, v in state.items()})
         return model
+
+
+def _check_history_switch(current: HistoryPolicy, num_latents: int, new: HistoryPolicy, where: str = "") -> None:
+    """Refuse history changes the temporal weights were not built for (latent <-> entries, other M)."""
+    if new.recurrent and num_latents == 0:
+        raise TDLMError(
+            f"{where}history {str(new)!r} needs perceiver weights, but this adapter was built with history "
+            f"{str(current)!r}; build TDLM with TemporalConfig(history={str(new)!r}) and train it"
+        )
+    if new.recurrent and new.num_latents != num_latents:
+        raise TDLMError(
+            f"{where}this adapter has {num_latents} learned latents per layer; history {str(new)!r} needs "
+            f"{new.num_latents}"
+        )
+    if not new.recurrent and num_latents:
+        raise TDLMError(
+            f"{where}this adapter was trained with history 'latent:{num_latents}' (its keys read latents); "
+            f"history {str(new)!r} would feed them raw entries"
+        )
