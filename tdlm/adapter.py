@@ -80,7 +80,9 @@ class TemporalAttention(nn.Module):
     def project(self, h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (..., d), r broadcastable to h.shape[:-1] -> q, k, v (..., M, d_h), q/k rotated (Eq. 7)."""
         shape = (*h.shape[:-1], self.heads, self.head_dim)
-        x = h.to(self.q_proj.weight.dtype)
+        # One contiguous copy of the (strided) response slice, shared by the three projections: otherwise
+        # autograd saves a separate copy for each of W_Q, W_K, W_V.
+        x = h.to(self.q_proj.weight.dtype).contiguous()
         q = self.q_proj(x).view(shape)
         k = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape)

@@ -256,8 +256,11 @@ class TemporalCosts:
         return self.heads * self.head_dim  # d_t
 
     def saved_per_token(self, e: int) -> int:
-        """3 d e + 2 d_t e + 2 d_h e per temporal token (T_N = B K N), history excluded."""
-        return 3 * self.hidden * e + 2 * self.width * e + 2 * self.head_dim * e
+        """d e + 2 d_t e + 2 d_h e per temporal token (T_N = B K N), history excluded.
+
+        One contiguous copy of the response slice of h is shared by W_Q, W_K and W_V.
+        """
+        return 1 * self.hidden * e + 2 * self.width * e + 2 * self.head_dim * e
 
     def history_per_token(self, e: int) -> int:
         """The keys and values of every state, 2 d_t e per temporal token."""
