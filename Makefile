@@ -1,11 +1,11 @@
-# Two entry points for a fresh machine: `make test` (the suite) and, once the end-to-end
-# pipeline lands, `make demo`. Both create .venv on first use.
+# Two entry points for a fresh machine: `make demo` (the whole pipeline on the embedded default)
+# and `make test` (the suite). Both create .venv on first use.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint venv clean bench
+.PHONY: test demo lint venv clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python -m tdlm.demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,6 +2,8 @@
 
 Launch (GPU cluster, one node, 8 GPUs; 32-layer allocation):
     deepspeed launcher/train.py --ds ds_configs/zero3.json --config configs/llada_8b.yaml model.layers=all
+The embedded default (shipped tiny-arith backbone; its teacher trajectories are generated on first use):
+    deepspeed launcher/train.py --ds ds_configs/zero3.json
 On this CPU machine (2 ranks, embedded tiny default):
     deepspeed --num_gpus 2 launcher/train.py --ds ds_configs/zero3.json --config configs/tiny.yaml
 Also works with torchrun:
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     from tdlm.config import apply_overrides, from_dict, load_yaml
+    from tdlm.demo import ensure_toy_trajectories
     from tdlm.ds_config import load_ds_json
     from tdlm.errors import TDLMError
     from tdlm.train_config import RunConfig
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             extra.append(f"train.max_steps={args.max_steps}")
         run = from_dict(RunConfig, apply_overrides(raw, extra), args.config or "config")
         ds_raw = load_ds_json(args.ds)
+        ensure_toy_trajectories(run.data.trajectories, run.model.backbone)
         train(run, ds_raw, resume=args.resume)
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

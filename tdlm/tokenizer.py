@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
-from pathlib import Path
 
 from tdlm.errors import TDLMError
 
@@ -58,13 +57,11 @@ def build_toy_tokenizer():
 
 def load_tokenizer(name_or_path: str):
     """Tokenizer for a backbone preset name or checkpoint folder (local files only)."""
-    from tdlm.models.loading import PRESETS
+    from tdlm.models.loading import PRESETS, _resolve_folder
 
     if name_or_path in PRESETS:
         return build_toy_tokenizer()
-    folder = Path(name_or_path)
-    if not folder.is_dir():
-        raise TDLMError(f"{name_or_path}: no tokenizer (not a preset and not a local checkpoint folder)")
+    folder = _resolve_folder(name_or_path)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise TDLMError(f"{folder}: no tokenizer files (expected tokenizer.json / tokenizer_config.json)")
     from transformers import AutoTokenizer

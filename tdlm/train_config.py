@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    backbone: str = "tiny-llada"  # preset name or checkpoint folder
+    backbone: str = "tiny-arith"  # preset / shipped name or checkpoint folder (default: the embedded default)
     layers: str | list[int] | None = None  # temporal allocation; None = backbone default (paper 3.1)
     heads: int | None = None
     head_dim: int | None = None

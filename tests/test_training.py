@@ -24,6 +24,9 @@ from tdlm.trajectories import TrajectoryRecord, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24
+# configs/tiny.yaml is the shipped tiny-arith default; these tests train on the random tiny-llada preset.
+TINY_LLADA = ("model.backbone=tiny-llada", "model.layers=dispersed:2", "model.heads=2", "model.head_dim=16",
+              "optim.warmup_steps=5")
 
 
 def make_trajectories(folder: Path, backbone: str = "tiny-llada", n: int = 48, shards: int = 2) -> Path:
@@ -62,6 +65,7 @@ def _launch(ds: Path, traj: Path, out: Path, *extra: str, background: bool = Fal
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", port,
            str(REPO / "launcher" / "train.py"), "--ds", str(ds), "--config", str(REPO / "configs" / "tiny.yaml"),
            "--output-dir", str(out), "--max-steps", str(STEPS), f"data.trajectories={traj}", "train.save_every=8",
+           *TINY_LLADA, "data.states=4", "train.micro_batch_size=4",
            "train.verify_frozen=true", "train.verify_export=true", *extra]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -138,7 +142,9 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, traj_dir, zero3_run):
 
 # -- preflight: bad input, one clear error each -------------------------------------------------------
 def _run(traj: Path, *overrides: str) -> RunConfig:
-    raw = apply_overrides(load_yaml(REPO / "configs" / "tiny.yaml"), [f"data.trajectories={traj}", *overrides])
+    raw = apply_overrides(load_yaml(REPO / "configs" / "tiny.yaml"),
+                          [f"data.trajectories={traj}", *TINY_LLADA, "data.states=4", "train.micro_batch_size=4",
+                           *overrides])
     return from_dict(RunConfig, raw, "configs/tiny.yaml")
 
 
@@ -190,9 +196,9 @@ def test_foreign_vocab_is_rejected(tmp_path):
 
 def test_launcher_prints_one_line_error(tmp_path):
     env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, str(REPO / "launcher" / "train.py"),
-                           "--ds", str(REPO / "ds_configs" / "zero3.json"), "--config", str(REPO / "configs" / "tiny.yaml"),
-                           f"data.trajectories={tmp_path / 'nope'}"],
+    proc = subprocess.run([sys.executable, str(REPO / "launcher" / "train.py"), "--ds",
+                           str(REPO / "ds_configs" / "zero3.json"), "--config", str(REPO / "configs" / "tiny.yaml"),
+                           f"data.trajectories={tmp_path / 'nope'}", *TINY_LLADA],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: data.trajectories:") and "Traceback" not in proc.stderr

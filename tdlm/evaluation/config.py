@@ -19,13 +19,13 @@ Settings split in two, as in :mod:`tdlm.generation.config`:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tdlm.decoding import POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
+from tdlm.fingerprints import adapter_fingerprint, backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.history import HistoryPolicy
 from tdlm.tasks import TASK_NAMES
 
@@ -202,30 +202,8 @@ def read_adapter_config(directory: str) -> dict:
         raise TDLMError(f"{d / ADAPTER_CONFIG}: invalid JSON: {e}") from e
 
 
-def adapter_fingerprint(directory: str) -> str:
-    """sha256 over the adapter's two files (small: temporal weights only)."""
-    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    h = hashlib.sha256()
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        h.update((Path(directory) / name).read_bytes())
-    return f"sha256:{h.hexdigest()}"
 
 
-def backbone_fingerprint(name_or_path: str) -> str:
-    """Preset name, or sha256 over config.json + weight file names and sizes (hashing 16 GB would take minutes)."""
-    from tdlm.models.loading import PRESETS, _resolve_folder
-
-    if name_or_path in PRESETS:
-        return f"preset:{name_or_path}"
-    folder = _resolve_folder(name_or_path)
-    cfg = folder / "config.json"
-    if not cfg.exists():
-        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
-    h = hashlib.sha256(cfg.read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"sha256:{h.hexdigest()}"
 
 
 def expand(cfg: EvalConfig) -> list[RunSpec]:

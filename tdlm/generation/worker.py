@@ -10,7 +10,6 @@ in prompt order. It writes no files: the driver is the only writer of the output
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import time
@@ -21,6 +20,7 @@ import torch
 
 from tdlm.decoding import DecodeConfig, decode
 from tdlm.errors import TDLMError
+from tdlm.fingerprints import adapter_fingerprint, backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.trajectories import TrajectoryRecord
 
 # Test-only fault injection (see FaultInjection.from_env). Inert unless the variable is set.
@@ -87,45 +87,10 @@ class ShardResult:
     worker: dict = field(default_factory=dict)  # pid / host / device of the replica
 
 
-def _sha256_file(path: Path, h: hashlib._Hash | None = None) -> hashlib._Hash:
-    h = h or hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h
 
 
-def backbone_fingerprint(name_or_path: str) -> str:
-    """Content id of a backbone: the preset name, or sha256 over config.json + weight file names/sizes.
-
-    Hashing multi-GB weights would cost minutes per resume; config + shard sizes catch a different
-    checkpoint in practice. Raises TDLMError if the checkpoint is not visible on this machine.
-    """
-    from tdlm.models.loading import PRESETS, _resolve_folder
-
-    if name_or_path in PRESETS:
-        return f"preset:{name_or_path}"
-    folder = _resolve_folder(name_or_path)
-    cfg = folder / "config.json"
-    if not cfg.exists():
-        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
-    h = _sha256_file(cfg)
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"sha256:{h.hexdigest()}"
 
 
-def adapter_fingerprint(directory: str) -> str:
-    """sha256 over the adapter's two files (small: the temporal weights only)."""
-    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    h = hashlib.sha256()
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        p = Path(directory) / name
-        if not p.exists():
-            raise TDLMError(f"{directory}: missing {name} (expected a folder written by TDLM.save_adapter)")
-        _sha256_file(p, h)
-    return f"sha256:{h.hexdigest()}"
 
 
 class ShardWorker:

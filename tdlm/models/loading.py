@@ -54,6 +54,10 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# Trained checkpoints shipped inside the package (release folder format), addressable by name.
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED = {"tiny-arith": ASSETS_DIR / "tiny-arith"}
+
 _FAMILIES = {"llada": (LLaDA, LLaDAConfig), "dream": (Dream, DreamConfig)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,6 +101,12 @@ def _resolve_dtype(dtype: torch.dtype | str | None, cfg_dtype: str | None) -> to
 
 
 def _resolve_folder(name_or_path: str) -> Path:
+    if name_or_path in SHIPPED:
+        folder = SHIPPED[name_or_path]
+        if not (folder / "config.json").exists():
+            raise TDLMError(f"shipped backbone {name_or_path!r} is missing from {folder}; "
+                            f"recreate it with `python scripts/train_tiny_backbone.py`")
+        return folder
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -111,7 +121,7 @@ def _resolve_folder(name_or_path: str) -> Path:
         except Exception:
             pass
     raise TDLMError(
-        f"unknown backbone {name_or_path!r}: not a preset ({', '.join(PRESETS)}), not a local folder, "
+        f"unknown backbone {name_or_path!r}: not a preset ({', '.join([*PRESETS, *SHIPPED])}), not a local folder, "
         f"and not in the local Hugging Face cache (tdlm never downloads; fetch it with "
         f"`huggingface-cli download <repo> --local-dir <dir>` and pass the folder)"
     )
@@ -141,6 +151,21 @@ def _weight_files(folder: Path) -> list[Path]:
     )
 
 
+def _folder_config(name_or_path: str) -> tuple[Path, dict, str, str]:
+    """(folder, raw config.json, family, backbone id) of a checkpoint folder; weights must be present."""
+    folder = _resolve_folder(name_or_path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
+    family = _family_of(raw, str(cfg_path))
+    _weight_files(folder)
+    return folder, raw, family, str(raw.get("_name_or_path") or name_or_path)
+
+
 def load_backbone(
     name_or_path: str,
     dtype: torch.dtype | str | None = None,
@@ -155,15 +180,8 @@ def load_backbone(
         model.backbone_id = name_or_path
         return model.freeze()
 
-    folder = _resolve_folder(name_or_path)
+    folder, raw, family, backbone_id = _folder_config(name_or_path)
     cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
-    family = _family_of(raw, str(cfg_path))
     files = _weight_files(folder)
     target = _resolve_dtype(dtype, raw.get("torch_dtype"))
     with torch.device("meta"):
@@ -189,11 +207,13 @@ def load_backbone(
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise TDLMError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     model.load_state_dict(state, assign=True)
-    model.backbone_id = str(raw.get("_name_or_path") or name_or_path)
+    model.backbone_id = backbone_id
     return model.to(device).freeze()
 
 
-def save_pretrained(model: Backbone, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> Path:
+def save_pretrained(
+    model: Backbone, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, name: str | None = None
+) -> Path:
     """Write ``config.json`` + safetensors shards + ``model.safetensors.index.json`` (release layout)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,6 +238,8 @@ def save_pretrained(model: Backbone, folder: str | os.PathLike, max_shard_bytes:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
     cfg = model.config_dict()
+    if name:
+        cfg["_name_or_path"] = name  # the backbone id recorded in trajectories and adapters
     dtypes = {t.dtype for t in state.values()}
     cfg["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
         dtypes.pop() if len(dtypes) == 1 else torch.float32
@@ -256,14 +278,8 @@ def load_backbone_partitioned(
         full = load_backbone(name_or_path, dtype=target) if rank == 0 else None
         get = (lambda key: full.state_dict()[key]) if full is not None else None
     else:
-        folder = _resolve_folder(name_or_path)
-        cfg_path = folder / "config.json"
-        if not cfg_path.exists():
-            raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
-        raw = json.loads(cfg_path.read_text())
-        family = _family_of(raw, str(cfg_path))
+        folder, raw, family, backbone_id = _folder_config(name_or_path)
         target = _resolve_dtype(dtype, raw.get("torch_dtype"))
-        backbone_id = str(raw.get("_name_or_path") or name_or_path)
         index = _key_index(_weight_files(folder))
 
         def get(key: str) -> torch.Tensor:
@@ -299,17 +315,7 @@ def load_backbone_meta(name_or_path: str) -> Backbone:
         preset = PRESETS[name_or_path]
         family, raw, backbone_id = preset["family"], preset["config"], name_or_path
     else:
-        folder = _resolve_folder(name_or_path)
-        cfg_path = folder / "config.json"
-        if not cfg_path.exists():
-            raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
-        family = _family_of(raw, str(cfg_path))
-        _weight_files(folder)
-        backbone_id = str(raw.get("_name_or_path") or name_or_path)
+        _, raw, family, backbone_id = _folder_config(name_or_path)
     with torch.device("meta"):
         model = build_backbone(family, raw, name_or_path)
     model.backbone_id = backbone_id

@@ -1,0 +1,50 @@
+"""Content ids of backbones and adapters, recorded by generation and evaluation runs so that a
+resumed run never mixes outputs of different weights."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from tdlm.errors import TDLMError
+
+
+def sha256_file(path: Path, h: hashlib._Hash | None = None) -> hashlib._Hash:
+    h = h or hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h
+
+
+def backbone_fingerprint(name_or_path: str) -> str:
+    """The preset name, or sha256 over config.json + weight file names/sizes.
+
+    Hashing multi-GB weights would cost minutes per resume; config + shard sizes catch a different
+    checkpoint in practice. Raises TDLMError if the checkpoint is not visible on this machine.
+    """
+    from tdlm.models.loading import PRESETS, _resolve_folder
+
+    if name_or_path in PRESETS:
+        return f"preset:{name_or_path}"
+    folder = _resolve_folder(name_or_path)
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+    h = sha256_file(cfg)
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
+def adapter_fingerprint(directory: str) -> str:
+    """sha256 over the adapter's two files (small: the temporal weights only)."""
+    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    h = hashlib.sha256()
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        p = Path(directory) / name
+        if not p.exists():
+            raise TDLMError(f"{directory}: missing {name} (expected a folder written by TDLM.save_adapter)")
+        sha256_file(p, h)
+    return f"sha256:{h.hexdigest()}"
