@@ -47,7 +47,7 @@ class DemoPlan:
     def from_env(cls, out: Path) -> DemoPlan:
         if os.environ.get("DEMO_FAST") == "1":
             return cls(out, prompts=64, train_steps=8, test_problems=12, thresholds=(0.5, 0.9))
-        return cls(out, prompts=1024, train_steps=300, test_problems=200, thresholds=(0.3, 0.5, 0.7, 0.9))
+        return cls(out, prompts=1024, train_steps=200, test_problems=200, thresholds=(0.3, 0.5, 0.7, 0.9))
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
