@@ -47,7 +47,7 @@ class DemoPlan:
     def from_env(cls, out: Path) -> DemoPlan:
         if os.environ.get("DEMO_FAST") == "1":
             return cls(out, prompts=64, train_steps=8, test_problems=12, thresholds=(0.5, 0.9))
-        return cls(out, prompts=1024, train_steps=200, test_problems=200, thresholds=(0.3, 0.5, 0.7, 0.9))
+        return cls(out, prompts=512, train_steps=200, test_problems=200, thresholds=(0.3, 0.5, 0.7, 0.9))
 
 
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
@@ -168,7 +168,7 @@ def main() -> int:
     _run([py, "ray_jobs/generate_trajectories.py", "--backbone", BACKBONE, "--prompts", str(prompts),
           "--prompt-field", "question", "--num-prompts", str(plan.prompts), "--policy", "original",
           "--gen-length", str(GEN_LENGTH), "--block-size", str(plan.block_size), "--shard-size",
-          str(max(16, plan.prompts // 4)), "--batch-size", "32", "--actors", "2", "--output-dir", str(traj)],
+          str(max(16, plan.prompts // 8)), "--batch-size", "32", "--actors", "2", "--output-dir", str(traj)],
          logs / "1_generate.log", env)
 
     train_dir = out / "train"
