@@ -1,0 +1,489 @@
+"""Step-wise temporal overhead: one ``TDLM.forward_step`` with H cached history entries vs ``backbone(ids)``.
+
+Commands (from the repository root, venv active)::
+
+    python bench/temporal_overhead.py             # full run (~2-3 min, 2 cores) -> bench/results/temporal_overhead.json
+    python bench/temporal_overhead.py --quick     # smoke test (~1 min); prints only unless --out is given
+    python bench/temporal_overhead.py --profile   # + where the extra time goes (medium size, H = 32)
+    python bench/temporal_overhead.py --threads 4 --sizes medium --history 32
+
+What is measured. One decoding-time denoiser evaluation on a batch of 1 sequence of L = 320 tokens
+(prompt 64 + response 256). The response is fully masked, so every response position retrieves from
+all H history entries at every temporal layer (the worst case of Eq. 8-9 for a given H). Two sizes:
+
+* ``tiny``: ``tdlm.load_backbone("tiny-llada")`` with its default temporal config
+  (``dispersed:2`` = layers [1, 3], 2 heads x 16);
+* ``medium``: the real ``tdlm.models.llada.LLaDA`` class at d_model 512, 8 layers, 8 heads, SwiGLU 1376,
+  vocab 1024, float32, seeded random init (``tdlm.models.loading._init_weights``), with
+  ``TemporalConfig()``: ``dispersed:4`` = layers [1, 3, 5, 7], 4 heads x 64, history ``full``.
+
+Cache handling. The cache is filled by H untimed ``forward_step`` calls on the same input. A timed
+TDLM call appends one entry (slot H) and commits; right after it ``cache.n``/``cache.steps`` are set
+back to H, so every timed call retrieves exactly H entries and writes into the same slot. This is
+exact here: the window [0, H) never contains the scratch slot, and ``commit``'s ``valid &= masked``
+is a no-op because every response position is masked (asserted). Storage doubles from 8 entries,
+so at H = 8, 16, 32, 64 the first call after filling reallocates the cache; that call is a warm-up
+(its time is kept as ``tdlm_first_call_ms``) and the table shows the steady-state step. Over a
+decode the doubling costs O(1) entry copies per step, amortised.
+
+Statistics. The machine is shared and noisy, so backbone (A) and TDLM (B) samples alternate
+(AB, BA, AB, ...), after warm-up, under ``torch.inference_mode`` with the garbage collector off and a
+fixed thread count. A sample is the mean of ``inner`` back-to-back calls, with ``inner`` chosen so
+that a sample lasts >= ``--min-sample-ms``. Each row takes at least ``--repeats`` pairs and as many
+more as fit in ``--row-seconds``. The table reports medians; ``ratio`` is the median of the per-pair
+ratios B/A (robust to load drifting between pairs), overhead % = 100 (ratio - 1). Because
+contention only ever adds time, the ratio of the minima ("overhead % (min)") is shown too: when the
+two disagree, the machine was busy and the min-based figure is the better estimate of the
+uncontended cost. "overhead % (cpu)" is the same median ratio on process CPU time, which excludes
+time spent descheduled (though not OpenMP spin-waiting; it is cleanest with ``--threads 1``). The
+target verdict uses the median wall-clock ratio. The JSON holds every sample and the load average
+before and after. If another process holds a core, multi-threaded timings are dominated by the
+intra-op thread pool waiting for its descheduled thread, which penalises the TDLM step for its extra
+small ops rather than its work; on such a machine compare with ``--threads 1``.
+
+Target (issue): overhead <= 15 % at the medium size with H = 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import tdlm
+from tdlm.adapter import sink_softmax, temporal_rope
+from tdlm.models.llada import LLaDA, LLaDAConfig
+from tdlm.models.loading import _init_weights
+
+RESULTS_REL = "bench/results/temporal_overhead.json"
+RESULTS = Path(__file__).resolve().parent.parent / RESULTS_REL
+PROMPT_LEN, RESPONSE_LEN, BATCH = 64, 256, 1
+HISTORY = (1, 2, 4, 8, 16, 32, 64)
+TARGET = {"size": "medium", "history": 32, "max_overhead_pct": 15.0}
+MEDIUM = dict(
+    d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, mlp_hidden_size=1376, vocab_size=1024,
+    embedding_size=1024, mask_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="float32",
+)  # fmt: skip
+MEDIUM_SEED = 0
+
+
+# -- models and inputs -------------------------------------------------------------------------
+def build(size: str) -> tdlm.TDLM:
+    """TDLM with the default temporal config on a frozen backbone of the given size."""
+    if size == "tiny":
+        backbone = tdlm.load_backbone("tiny-llada")
+    elif size == "medium":
+        backbone = LLaDA(LLaDAConfig(**MEDIUM))
+        _init_weights(backbone, MEDIUM_SEED)
+        backbone.backbone_id = "medium-llada"
+        backbone = backbone.freeze()
+    else:
+        raise ValueError(f"unknown size {size!r}; expected 'tiny' or 'medium'")
+    return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()
+
+
+def make_input(model: tdlm.TDLM, seed: int = 0) -> torch.Tensor:
+    """(B, L) ids: random non-special prompt tokens, fully masked response."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.backbone.vocab_size, (BATCH, PROMPT_LEN + RESPONSE_LEN), generator=g)
+    ids[:, PROMPT_LEN:] = model.mask_token_id
+    return ids
+
+
+def fill(model: tdlm.TDLM, ids: torch.Tensor, cache: tdlm.TemporalCache, H: int) -> None:
+    """Untimed forward_steps until the cache holds H entries."""
+    while cache.n < H:
+        model.forward_step(ids, PROMPT_LEN, cache)
+    assert cache.n == H and cache.steps == H, f"cache holds {cache.n} entries after {cache.steps} steps; wanted {H}"
+
+
+def cache_bytes(cache: tdlm.TemporalCache) -> tuple[int, int]:
+    """(bytes of the H entries in use, bytes allocated including spare capacity)."""
+    used = 0
+    for lh in cache.layers.values():
+        for t in (lh.keys, lh.values, lh.valid):
+            used += t[:, : cache.n].numel() * t.element_size()
+    return used, cache.nbytes()
+
+
+# -- timing ------------------------------------------------------------------------------------
+def sample(fn: Callable[[], object], inner: int) -> tuple[float, float]:
+    """Mean (wall, process CPU) seconds per call over ``inner`` back-to-back calls."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner, (time.process_time() - c0) / inner
+
+
+def interleaved(a: Callable, b: Callable, repeats: int, inner: int) -> tuple[list, list, list, list]:
+    """Alternate A and B (AB, BA, AB, ...) so slow load drift hits both equally.
+
+    Returns wall seconds of A and B, then process CPU seconds of A and B, one entry per pair.
+    """
+    sa, sb = [], []
+    for r in range(repeats):
+        if r % 2 == 0:
+            sa.append(sample(a, inner))
+            sb.append(sample(b, inner))
+        else:
+            sb.append(sample(b, inner))
+            sa.append(sample(a, inner))
+    return [x[0] for x in sa], [x[0] for x in sb], [x[1] for x in sa], [x[1] for x in sb]
+
+
+def bench_size(size: str, hs: list[int], args: argparse.Namespace) -> tuple[list[dict], dict, tdlm.TDLM]:
+    model = build(size)
+    bb = model.backbone
+    ids = make_input(model)
+    assert bool((ids[:, PROMPT_LEN:] == model.mask_token_id).all()), "the response must be fully masked (docstring)"
+    cache = model.new_cache(BATCH)
+
+    # Prop. 1 (W_O = 0 at init): TDLM equals the backbone, so both sides run on the same input.
+    fill(model, ids, cache, 1)
+    assert torch.equal(model.forward_step(ids, PROMPT_LEN, cache), bb(ids)), "TDLM != backbone at W_O = 0"
+    cache.n, cache.steps = 1, 1
+
+    def run_backbone() -> None:
+        bb(ids)
+
+    rows = []
+    for H in hs:
+        fill(model, ids, cache, H)
+
+        def run_tdlm(H: int = H) -> None:
+            model.forward_step(ids, PROMPT_LEN, cache)
+            cache.n, cache.steps = H, H  # drop the entry just written: the next call overwrites slot H
+
+        t0 = time.perf_counter()
+        model.forward_step(ids, PROMPT_LEN, cache)  # may grow the storage (H = 8, 16, 32, 64)
+        first_ms = (time.perf_counter() - t0) * 1e3
+        assert cache.n == H + 1, "forward_step did not append exactly one entry"
+        cache.n, cache.steps = H, H
+        wa, wb, _, _ = interleaved(run_backbone, run_tdlm, args.warmup, 1)
+        inner = max(1, math.ceil(args.min_sample_ms / 1e3 / min(wa)))
+        pairs = max(args.repeats, min(args.max_pairs, int(args.row_seconds / (inner * (min(wa) + min(wb))))))
+        ta, tb, ca, cb = interleaved(run_backbone, run_tdlm, pairs, inner)
+        assert cache.n == H, "timed calls changed the cache length"
+        used, alloc = cache_bytes(cache)
+        ratio = statistics.median(b / a for a, b in zip(ta, tb, strict=True))
+        row = {
+            "size": size,
+            "history": H,
+            "backbone_ms": statistics.median(ta) * 1e3,
+            "tdlm_ms": statistics.median(tb) * 1e3,
+            "ratio": ratio,
+            "overhead_pct": 100.0 * (ratio - 1.0),
+            "ratio_of_min": min(tb) / min(ta),
+            "overhead_pct_of_min": 100.0 * (min(tb) / min(ta) - 1.0),
+            "overhead_pct_cpu": 100.0 * (statistics.median(b / a for a, b in zip(ca, cb, strict=True)) - 1.0),
+            "pairs": pairs,
+            "cache_used_bytes": used,
+            "cache_alloc_bytes": alloc,
+            "tdlm_first_call_ms": first_ms,
+            "inner": inner,
+            "backbone_samples_ms": [t * 1e3 for t in ta],
+            "tdlm_samples_ms": [t * 1e3 for t in tb],
+            "backbone_cpu_samples_ms": [t * 1e3 for t in ca],
+            "tdlm_cpu_samples_ms": [t * 1e3 for t in cb],
+        }
+        rows.append(row)
+        print(
+            f"  {size:6s} H={H:3d}  backbone {row['backbone_ms']:8.2f} ms  tdlm {row['tdlm_ms']:8.2f} ms  "
+            f"overhead {row['overhead_pct']:+6.1f}% (min {row['overhead_pct_of_min']:+6.1f}%)  "
+            f"[{pairs} pairs x {inner}]",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.profile and size == TARGET["size"] and H == TARGET["history"]:
+            args.profile_result = profile_step(model, ids, cache, run_backbone, run_tdlm, row, args)
+    cfg = model.config
+    info = {
+        "backbone": bb.config_dict(),
+        "backbone_parameters": bb.num_parameters(),
+        "temporal": {"layers": cfg.layers, "heads": cfg.heads, "head_dim": cfg.head_dim, "history": cfg.history},
+        "temporal_parameters": model.num_temporal_parameters(),
+    }
+    return rows, info, model
+
+
+# -- profiling (--profile) ---------------------------------------------------------------------
+def op_diff(run_backbone: Callable, run_tdlm: Callable, rounds: int) -> list[dict]:
+    """Per-op self CPU ms per call, TDLM minus backbone: medians over alternating profiler windows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ms: dict[str, tuple[list[float], list[float]]] = {}
+    calls: dict[str, list[int]] = {}
+    for r in range(rounds):
+        for col, fn in ((0, run_backbone), (1, run_tdlm)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            for ev in prof.key_averages():
+                ms.setdefault(ev.key, ([0.0] * rounds, [0.0] * rounds))[col][r] = ev.self_cpu_time_total / 1e3
+                calls.setdefault(ev.key, [0, 0])[col] = ev.count
+    out = []
+    for k, (a, b) in ms.items():
+        a_med, b_med = statistics.median(a), statistics.median(b)
+        out.append(
+            {
+                "op": k,
+                "backbone_ms": a_med,
+                "tdlm_ms": b_med,
+                "diff_ms": statistics.median(y - x for x, y in zip(a, b, strict=True)),
+                "backbone_calls": calls[k][0],
+                "tdlm_calls": calls[k][1],
+            }
+        )
+    return sorted(out, key=lambda r: -abs(r["diff_ms"]))
+
+
+def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> list[dict]:
+    """Median ms of each step of ``forward_step``'s insert at one temporal layer (same shapes as the bench).
+
+    Re-issues the calls ``tdlm/model.py`` makes, on random h; values do not affect CPU time here.
+    """
+    layer = model.layer_ids[0]
+    mod = model.temporal[str(layer)]
+    H = cache.n
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(BATCH, PROMPT_LEN + RESPONSE_LEN, model.backbone.hidden_size, generator=g)
+    masked = torch.ones(BATCH, RESPONSE_LEN, dtype=torch.bool)
+    r = (~masked).sum(-1)
+    mcol = masked.unsqueeze(-1)
+    hr = h[:, PROMPT_LEN:]
+    q, k, v = mod.project(hr, r[:, None])
+    keys, values, valid = cache.visible(layer)
+    scores = torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5
+    w = sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink)
+    z = torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values)
+    delta = mod.output(z, h) * mcol
+    shape = (*hr.shape[:-1], mod.heads, mod.head_dim)
+    x = hr.to(mod.q_proj.weight.dtype)
+
+    def append() -> None:
+        cache.visible(layer)
+        cache.append(layer, k, v, masked)  # writes scratch slot H; cache.n is unchanged
+
+    def rope_qk() -> None:  # project() rotates q and k
+        rr = r[:, None].expand(shape[:-2])
+        temporal_rope(q, rr, mod.rope_base)
+        temporal_rope(k, rr, mod.rope_base)
+
+    def commit_one_layer() -> None:
+        cache.layers[layer].valid[:, :H] &= masked[:, None, :]
+
+    pieces: dict[str, Callable[[], object]] = {
+        "qkv linears (3 x d -> d_t)": lambda: (mod.q_proj(x).view(shape), mod.k_proj(x), mod.v_proj(x)),
+        "temporal_rope q + k (float64 angles)": rope_qk,
+        "project total (linears + rope)": lambda: mod.project(hr, r[:, None]),
+        "cache visible + append": append,
+        "scores einsum q.k": lambda: torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5,
+        "sink_softmax": lambda: sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink),
+        "values einsum w.v": lambda: torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values),
+        "output o_proj * mask": lambda: mod.output(z, h) * mcol,
+        "torch.cat rebuild of h": lambda: torch.cat([h[:, :PROMPT_LEN], hr + delta], 1),
+        "commit valid &= masked": commit_one_layer,
+    }
+    out = []
+    for name, fn in pieces.items():
+        for _ in range(3):
+            fn()
+        ts = [sample(fn, 20)[0] for _ in range(repeats)]
+        out.append({"piece": name, "ms_per_layer": statistics.median(ts) * 1e3, "min_ms_per_layer": min(ts) * 1e3})
+    # "project total" already contains the linears and the rope: leave those two out of the sum
+    parts = [r for r in out if not r["piece"].startswith(("qkv linears", "temporal_rope"))]
+    out.append(
+        {
+            "piece": "sum (project total + the rest)",
+            "ms_per_layer": sum(r["ms_per_layer"] for r in parts),
+            "min_ms_per_layer": sum(r["min_ms_per_layer"] for r in parts),
+        }
+    )
+    n = len(model.layer_ids)
+    for r in out:
+        r["ms_per_step"] = r["ms_per_layer"] * n
+    return out
+
+
+def profile_step(model, ids, cache, run_backbone, run_tdlm, row: dict, args: argparse.Namespace) -> dict:
+    H = cache.n
+    print(f"  profiling medium H={H} ...", file=sys.stderr, flush=True)
+    ops = op_diff(run_backbone, run_tdlm, rounds=3 if args.quick else 9)
+    pieces = piece_times(model, cache, repeats=5 if args.quick else 15)
+    assert cache.n == H
+    return {
+        "history": H,
+        "temporal_layers": len(model.layer_ids),
+        "measured_extra_ms": row["tdlm_ms"] - row["backbone_ms"],
+        "op_diff": ops[:15],
+        "insert_pieces": pieces,
+    }
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| size | H | backbone ms | TDLM ms | ratio | overhead % | overhead % (min) | overhead % (cpu) "
+        "| cache MiB (used / alloc) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['size']} | {r['history']} | {r['backbone_ms']:.2f} | {r['tdlm_ms']:.2f} | {r['ratio']:.3f} | "
+            f"{r['overhead_pct']:+.1f} | {r['overhead_pct_of_min']:+.1f} | {r['overhead_pct_cpu']:+.1f} | "
+            f"{r['cache_used_bytes'] / 2**20:.2f} / {r['cache_alloc_bytes'] / 2**20:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def profile_tables(p: dict) -> str:
+    lines = [
+        f"\nWhere the extra time goes (medium, H={p['history']}): per-op self CPU ms per call, TDLM - backbone",
+        "",
+        "| op | backbone ms | TDLM ms | diff ms | calls (bb / TDLM) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in p["op_diff"][:10]:
+        lines.append(
+            f"| {r['op']} | {r['backbone_ms']:.2f} | {r['tdlm_ms']:.2f} | {r['diff_ms']:+.2f} | "
+            f"{r['backbone_calls']} / {r['tdlm_calls']} |"
+        )
+    lines += [
+        "",
+        f"Insert pieces, median ms (x {p['temporal_layers']} temporal layers per step); measured TDLM - backbone "
+        f"median in the table: {p['measured_extra_ms']:.2f} ms",
+        "",
+        "| piece | ms / layer | ms / step | min ms / step |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in p["insert_pieces"]:
+        lines.append(
+            f"| {r['piece']} | {r['ms_per_layer']:.3f} | {r['ms_per_step']:.2f} | "
+            f"{r['min_ms_per_layer'] * p['temporal_layers']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--sizes", nargs="+", default=["medium", "tiny"], choices=["tiny", "medium"], help="run order")
+    ap.add_argument("--history", nargs="+", type=int, default=list(HISTORY), help="history lengths H")
+    ap.add_argument("--repeats", type=int, default=None, help="min timed A/B pairs per row (default 9; 3 with --quick)")
+    ap.add_argument("--row-seconds", type=float, default=None, help="time for extra pairs per row (default 3; 1 quick)")
+    ap.add_argument("--max-pairs", type=int, default=200, help="cap on timed A/B pairs per row")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed A/B pairs per row (default 2; 1 with --quick)")
+    ap.add_argument("--min-sample-ms", type=float, default=25.0, help="a sample repeats the call to last this long")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (smoke test); no JSON unless --out")
+    ap.add_argument("--profile", action="store_true", help="profile the TDLM step at the medium size, H=32")
+    ap.add_argument("--out", type=Path, default=None, help=f"JSON path (default {RESULTS_REL}; none with --quick)")
+    args = ap.parse_args(argv)
+    args.repeats = args.repeats or (3 if args.quick else 9)
+    args.warmup = args.warmup or (1 if args.quick else 2)
+    args.row_seconds = args.row_seconds if args.row_seconds is not None else (1.0 if args.quick else 3.0)
+    if min(args.repeats, args.warmup, args.threads, args.max_pairs, *args.history) < 1:
+        ap.error("--repeats, --warmup, --threads, --max-pairs and every --history value must be >= 1")
+    args.profile_result = None
+    out = args.out if args.out is not None else (None if args.quick else RESULTS)
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    hs = sorted(set(args.history))
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5 * (os.cpu_count() or 1):
+        print(
+            f"warning: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs before the run; other processes "
+            "will inflate and scatter the timings (see the min-based column)",
+            file=sys.stderr,
+        )
+    start = time.perf_counter()
+    rows, configs = [], {}
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            for size in args.sizes:
+                size_rows, configs[size], model = bench_size(size, hs, args)
+                rows += size_rows
+                del model
+                gc.collect()
+    finally:
+        gc.enable()
+    elapsed = time.perf_counter() - start
+
+    print(table(rows))
+    target_row = next((r for r in rows if (r["size"], r["history"]) == (TARGET["size"], TARGET["history"])), None)
+    met = None
+    if target_row is not None:
+        met = target_row["overhead_pct"] <= TARGET["max_overhead_pct"]
+        print(
+            f"\nTarget: overhead <= {TARGET['max_overhead_pct']:.0f}% at {TARGET['size']}, H={TARGET['history']}: "
+            f"{target_row['overhead_pct']:+.1f}% (median ratio) -> {'MET' if met else 'NOT MET'}; "
+            f"min-based {target_row['overhead_pct_of_min']:+.1f}%, CPU-time {target_row['overhead_pct_cpu']:+.1f}%"
+        )
+    if args.profile_result:
+        print(profile_tables(args.profile_result))
+    load_after = os.getloadavg()
+    print(
+        f"\n{elapsed:.0f} s, torch {torch.__version__}, {args.threads} threads, {cpu_model()}, "
+        f"load avg {load_before[0]:.2f} -> {load_after[0]:.2f}"
+    )
+
+    if out is not None:
+        result = {
+            "meta": {
+                "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                "command": " ".join(["python", "bench/temporal_overhead.py", *(argv or sys.argv[1:])]),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "threads": args.threads,
+                "cpu_model": cpu_model(),
+                "cpu_count": os.cpu_count(),
+                "load_avg_1m_before_after": [load_before[0], load_after[0]],
+                "elapsed_s": elapsed,
+                "batch": BATCH,
+                "prompt_len": PROMPT_LEN,
+                "response_len": RESPONSE_LEN,
+                "response": "fully masked",
+                "min_pairs": args.repeats,
+                "row_seconds": args.row_seconds,
+                "max_pairs": args.max_pairs,
+                "warmup": args.warmup,
+                "min_sample_ms": args.min_sample_ms,
+                "quick": args.quick,
+                "statistic": "medians over interleaved A/B samples; ratio = median of per-pair tdlm/backbone",
+                "cache_timing": "steady state: cache.n reset to H after each timed call (no storage growth)",
+            },
+            "configs": configs,
+            "target": {**TARGET, "overhead_pct": target_row and target_row["overhead_pct"], "met": met},
+            "rows": rows,
+            "profile": args.profile_result,
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
