@@ -26,7 +26,7 @@ def load(data_dir: str | os.PathLike[str] | None = None, limit: int | None = Non
         prompt_version=PROMPT_VERSION,
         metric=METRIC,
         problems=tuple(
-            Problem(task=NAME, id=p.id, index=i, prompt=p.question, answer=str(p.answer),
+            Problem(task=NAME, id=f"{NAME}/{i:06d}", index=i, prompt=p.question, answer=str(p.answer),
                     raw={"question": p.question, "solution": p.solution})
             for i, p in enumerate(problems)
         ),
