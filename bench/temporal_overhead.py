@@ -2,8 +2,8 @@
 
 Commands (from the repository root, venv active)::
 
-    python bench/temporal_overhead.py             # full run (~2-3 min, 2 cores) -> bench/results/temporal_overhead.json
-    python bench/temporal_overhead.py --quick     # smoke test (~1 min); prints only unless --out is given
+    python bench/temporal_overhead.py             # ~1.5 min on 2 idle cores -> bench/results/temporal_overhead.json
+    python bench/temporal_overhead.py --quick     # smoke test; prints only unless --out is given
     python bench/temporal_overhead.py --profile   # + where the extra time goes (medium size, H = 32)
     python bench/temporal_overhead.py --threads 4 --sizes medium --history 32
 
