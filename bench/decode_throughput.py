@@ -44,8 +44,7 @@ from pathlib import Path
 import torch
 
 import tdlm
-from tdlm.models.llada import LLaDA, LLaDAConfig
-from tdlm.models.loading import _init_weights
+from tdlm.models.loading import random_backbone
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_throughput.json"
 MEDIUM = dict(
@@ -62,10 +61,7 @@ def build(size: str) -> tdlm.TDLM:
     if size == "tiny":
         backbone = tdlm.load_backbone("tiny-llada")
     elif size == "medium":
-        backbone = LLaDA(LLaDAConfig(**MEDIUM))
-        _init_weights(backbone, MEDIUM_SEED)
-        backbone.backbone_id = "medium-llada"
-        backbone = backbone.freeze()
+        backbone = random_backbone("llada", MEDIUM, MEDIUM_SEED, "medium-llada")
     else:
         raise ValueError(f"unknown size {size!r}; expected 'tiny' or 'medium'")
     return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()

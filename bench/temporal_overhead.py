@@ -63,8 +63,7 @@ import torch
 
 import tdlm
 from tdlm.adapter import sink_softmax, temporal_rope
-from tdlm.models.llada import LLaDA, LLaDAConfig
-from tdlm.models.loading import _init_weights
+from tdlm.models.loading import random_backbone
 
 RESULTS_REL = "bench/results/temporal_overhead.json"
 RESULTS = Path(__file__).resolve().parent.parent / RESULTS_REL
@@ -84,10 +83,7 @@ def build(size: str) -> tdlm.TDLM:
     if size == "tiny":
         backbone = tdlm.load_backbone("tiny-llada")
     elif size == "medium":
-        backbone = LLaDA(LLaDAConfig(**MEDIUM))
-        _init_weights(backbone, MEDIUM_SEED)
-        backbone.backbone_id = "medium-llada"
-        backbone = backbone.freeze()
+        backbone = random_backbone("llada", MEDIUM, MEDIUM_SEED, "medium-llada")
     else:
         raise ValueError(f"unknown size {size!r}; expected 'tiny' or 'medium'")
     return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()

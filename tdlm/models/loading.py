@@ -320,3 +320,11 @@ def load_backbone_meta(name_or_path: str) -> Backbone:
         model = build_backbone(family, raw, name_or_path)
     model.backbone_id = backbone_id
     return model.freeze()
+
+
+def random_backbone(family: str, config: dict, seed: int = 0, backbone_id: str = "random") -> Backbone:
+    """A frozen backbone of the real class at any size with seeded random weights (benches, probes)."""
+    model = build_backbone(family, config, backbone_id)
+    _init_weights(model, seed)
+    model.backbone_id = backbone_id
+    return model.freeze()
