@@ -30,7 +30,7 @@ from tdlm.decoding import decode
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardStore, ShardTask, ShardWorker, WorkerSpec, generate
 from tdlm.generation.store import sha256_of, shard_name
-from tdlm.generation.worker import CRASH_ENV, KILL_ENV, backbone_fingerprint
+from tdlm.generation.worker import BARRIER_ENV, CRASH_ENV, KILL_ENV, backbone_fingerprint
 from tdlm.prompts import PromptSource, load_prompts
 from tdlm.tokenizer import encode_prompts, load_tokenizer
 from tdlm.trajectories import read_parquet
@@ -329,7 +329,10 @@ def assert_complete(out: Path, cfg: GenerationConfig) -> list:
 
 
 @pytest.mark.slow
-def test_two_actors_equal_single_process_decode(ray_cluster, tmp_path, prompt_file):  # (a)
+def test_two_actors_equal_single_process_decode(ray_cluster, tmp_path, prompt_file, monkeypatch):  # (a)
+    # On a loaded machine one replica can finish every shard before the other is up; the barrier
+    # makes both hold a shard, so the comparison below really covers two processes.
+    monkeypatch.setenv(BARRIER_ENV, "2")
     cfg = make_cfg(tmp_path / "traj", prompt_file, actors=None)  # default: one replica per CPU of the cluster
     summary = generate(cfg)
     assert sorted(summary.computed_shards) == [0, 1, 2]

@@ -28,6 +28,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -224,6 +225,8 @@ def generate(cfg: GenerationConfig) -> GenerationSummary:
             if faults is not None and faults.crash_marker:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(faults.crash_marker)
+            if faults is not None and faults.barrier_dir:
+                shutil.rmtree(faults.barrier_dir, ignore_errors=True)
             if started_ray:
                 import ray
 

@@ -26,6 +26,8 @@ from tdlm.trajectories import TrajectoryRecord
 # Test-only fault injection (see FaultInjection.from_env). Inert unless the variable is set.
 CRASH_ENV = "TDLM_TEST_CRASH_SHARD"  # "<k>": the actor decoding shard k hard-exits on its first attempt
 KILL_ENV = "TDLM_TEST_KILL_AFTER_SHARDS"  # "<n>": the driver SIGKILLs itself after writing its n-th shard
+BARRIER_ENV = "TDLM_TEST_SHARD_BARRIER"  # "<n>": no replica decodes until n distinct replicas reached a shard
+BARRIER_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -36,24 +38,32 @@ class FaultInjection:
     file records that the attempt happened, so the retry - in a restarted or new actor - succeeds).
     ``kill_after``: the driver kills itself with SIGKILL right after the n-th shard file of the run is
     renamed into place and before ``manifest.json`` lists it (the hardest point to resume from).
+    ``barrier``: a replica's first shard waits (files in ``barrier_dir``) until that many distinct
+    replicas hold a shard, so a test sees work spread over replicas however slowly one starts.
     """
 
     crash_shard: int | None = None
     crash_marker: str | None = None
     kill_after: int | None = None
+    barrier: int | None = None
+    barrier_dir: str | None = None
 
     @classmethod
     def from_env(cls, marker_dir: str) -> FaultInjection | None:
-        crash, kill = os.environ.get(CRASH_ENV), os.environ.get(KILL_ENV)
-        if not crash and not kill:
+        crash, kill, barrier = (os.environ.get(v) for v in (CRASH_ENV, KILL_ENV, BARRIER_ENV))
+        if not crash and not kill and not barrier:
             return None
         try:
             k = int(crash) if crash else None
             n = int(kill) if kill else None
+            b = int(barrier) if barrier else None
         except ValueError as e:
-            raise TDLMError(f"{CRASH_ENV}/{KILL_ENV} must be integers; got {crash!r}/{kill!r}") from e
-        marker = os.path.join(marker_dir, f"crash-shard-{k}-{os.getpid()}-{time.time_ns()}") if k is not None else None
-        return cls(crash_shard=k, crash_marker=marker, kill_after=n)
+            raise TDLMError(f"{CRASH_ENV}/{KILL_ENV}/{BARRIER_ENV} must be integers; "
+                            f"got {crash!r}/{kill!r}/{barrier!r}") from e  # fmt: skip
+        token = f"{os.getpid()}-{time.time_ns()}"
+        marker = os.path.join(marker_dir, f"crash-shard-{k}-{token}") if k is not None else None
+        bdir = os.path.join(marker_dir, f"shard-barrier-{token}") if b else None
+        return cls(crash_shard=k, crash_marker=marker, kill_after=n, barrier=b, barrier_dir=bdir)
 
 
 @dataclass
@@ -143,11 +153,23 @@ class ShardWorker:
             Path(f.crash_marker).touch()
             os._exit(1)  # a hard death mid-shard, as an OOM kill or a lost node looks to Ray
 
+    def _maybe_wait_at_barrier(self) -> None:
+        f = self.spec.faults
+        if f is None or not f.barrier or f.barrier_dir is None or getattr(self, "_passed_barrier", False):
+            return
+        os.makedirs(f.barrier_dir, exist_ok=True)
+        Path(f.barrier_dir, str(os.getpid())).touch()
+        deadline = time.monotonic() + BARRIER_TIMEOUT_S
+        while len(os.listdir(f.barrier_dir)) < f.barrier and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._passed_barrier = True
+
     def run_shard(self, task: ShardTask) -> ShardResult:
         from tdlm.tokenizer import encode_prompts
 
         if self.error is not None:
             raise self.error
+        self._maybe_wait_at_barrier()
         self._maybe_crash(task.index)
         t0 = time.perf_counter()
         ids = encode_prompts(self.tokenizer, task.texts, chat=self.spec.chat)
