@@ -32,6 +32,10 @@ from tdlm.errors import TDLMError
 REPO = Path(__file__).resolve().parents[1]
 BACKBONE = "tiny-arith"
 GEN_LENGTH = 40  # the shipped backbone's response length (solution + <|eot|> + EOS padding)
+# The shipped weights are stored in bf16 (half the bytes) but compute in fp32 everywhere, as training
+# does on CPU and as the model card's accuracy was measured: bf16 matmuls on a CPU without bf16 units are
+# several times slower, and teacher, student and evaluation then see the same numerics.
+DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ def ensure_toy_trajectories(trajectories: str | Path, backbone: str, n: int = 51
 
     print(f"{folder} does not exist: generating {n} teacher trajectories with {backbone} (original decoding)",
           flush=True)
-    bb = load_backbone(backbone, dtype="float32")
+    bb = load_backbone(backbone, dtype=DTYPE)
     tok = load_tokenizer(backbone)
     problems = split("prompts", n)
     ids = encode_prompts(tok, [p.question for p in problems])
@@ -143,6 +147,15 @@ def judge(runs: list[dict]) -> tuple[str, dict]:
     return text, facts
 
 
+def _card_accuracy(card: dict) -> str:
+    accs = card.get("test_accuracy_original") or {}
+    n = card.get("test_size", "?")
+    if not accs:
+        return "not recorded"
+    parts = [f"{100 * a:.1f}% with {k.replace('block', 'block ')}" for k, a in accs.items()]
+    return ", ".join(parts) + f" ({n} problems)"
+
+
 def main() -> int:
     out = Path(os.environ.get("DEMO_DIR", REPO / "runs" / "demo"))
     plan = DemoPlan.from_env(out)
@@ -167,7 +180,7 @@ def main() -> int:
     traj = out / "trajectories"
     _run([py, "ray_jobs/generate_trajectories.py", "--backbone", BACKBONE, "--prompts", str(prompts),
           "--prompt-field", "question", "--num-prompts", str(plan.prompts), "--policy", "original",
-          "--gen-length", str(GEN_LENGTH), "--block-size", str(plan.block_size), "--shard-size",
+          "--gen-length", str(GEN_LENGTH), "--block-size", str(plan.block_size), "--dtype", DTYPE, "--shard-size",
           str(max(16, plan.prompts // 8)), "--batch-size", "32", "--actors", "2", "--output-dir", str(traj)],
          logs / "1_generate.log", env)
 
@@ -182,8 +195,8 @@ def main() -> int:
     taus = [str(t) for t in plan.thresholds]
     _run([py, "eval/run.py", "--backbone", BACKBONE, "--adapter", f"demo={train_dir / 'adapter'}", "--tasks", "arith",
           "--limit", str(plan.test_problems), "--policies", "original", "threshold", "tdlm", "--thresholds", *taus,
-          "--tdlm-thresholds", *taus, "--gen-length", str(GEN_LENGTH), "--block-size", str(plan.block_size),
-          "--batch-size", "1", "--workers", "1", "--output-dir", str(ev), "--group", "demo"],
+          "--tdlm-thresholds", *taus, "--dtype", DTYPE, "--gen-length", str(GEN_LENGTH), "--block-size",
+          str(plan.block_size), "--batch-size", "1", "--workers", "1", "--output-dir", str(ev), "--group", "demo"],
          logs / "3_eval.log", env)
 
     summary = json.loads((ev / "summary.json").read_text())
@@ -196,7 +209,7 @@ def main() -> int:
     report = f"""# tdlm demo report
 
 Backbone `{BACKBONE}` ({card.get('parameters', '?')} parameters; held-out accuracy with `original` decoding
-in its model card: {card.get('test_accuracy_original')}). Teacher trajectories: {plan.prompts} prompts,
+in its model card: {_card_accuracy(card)}). Teacher trajectories: {plan.prompts} prompts,
 `original` decoding, {GEN_LENGTH} tokens, block {plan.block_size}. Adapter: {plan.train_steps} DeepSpeed ZeRO-3
 steps on 2 CPU ranks. Evaluation: first {plan.test_problems} held-out problems, batch 1, block {plan.block_size}.
 Total wall time {minutes:.1f} min.

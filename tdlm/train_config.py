@@ -11,7 +11,9 @@ class ModelConfig:
     layers: str | list[int] | None = None  # temporal allocation; None = backbone default (paper 3.1)
     heads: int | None = None
     head_dim: int | None = None
-    history: str = "full"  # history policy used in training (parallel mode supports full/last:k/current)
+    history: str = "full"  # full / last:k / current (one parallel pass) or latent:M (states in order)
+    perceiver_heads: int | None = None  # latent:M only: Perceiver heads (None = heads)
+    perceiver_head_dim: int | None = None  # latent:M only: Perceiver head width (None = head_dim)
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU; or float32 / bfloat16
 
 

@@ -97,11 +97,17 @@ def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool) -> di
     validate_run(run)
     ds_cfg = resolve_ds_config(ds_raw, run, world_size, on_gpu)
     meta = load_backbone_meta(run.model.backbone)
-    TemporalConfig(layers=run.model.layers, heads=run.model.heads, head_dim=run.model.head_dim,
-                   history=run.model.history).resolved(meta)
+    temporal_config(run).resolved(meta)
     TrajectoryStream(run.data.trajectories, meta, run.data.states, run.train.micro_batch_size, world_size, 0,
                      run.data.seed, run.data.allow_foreign_backbone)
     return ds_cfg
+
+
+def temporal_config(run: RunConfig) -> TemporalConfig:
+    """The adapter the run trains (``model.*`` of the run config)."""
+    m = run.model
+    return TemporalConfig(layers=m.layers, heads=m.heads, head_dim=m.head_dim, history=m.history,
+                          perceiver_heads=m.perceiver_heads, perceiver_head_dim=m.perceiver_head_dim)
 
 
 def frozen_fingerprint(model: TDLM) -> str:
@@ -142,8 +148,7 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False) -> Session:
         backbone = load_backbone_partitioned(run.model.backbone, ds_cfg, dtype=dtype)
     else:
         backbone = load_backbone(run.model.backbone, dtype=dtype, device=device)
-    model = TDLM(backbone, TemporalConfig(layers=run.model.layers, heads=run.model.heads,
-                                          head_dim=run.model.head_dim, history=run.model.history))
+    model = TDLM(backbone, temporal_config(run))
     # Adapters attached after a partitioned load are not cast by the engine: match the backbone now.
     model.temporal.to(device=device, dtype=dtype)
     model.activation_checkpointing = uses_activation_checkpointing(ds_cfg, run)

@@ -58,13 +58,13 @@ def _ds_json(tmp: Path, name: str, stage: int) -> Path:
     return path
 
 
-def _launch(ds: Path, traj: Path, out: Path, *extra: str, background: bool = False):
+def _launch(ds: Path, traj: Path, out: Path, *extra: str, background: bool = False, steps: int = STEPS):
     env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
                         "DS_ACCELERATOR": "cpu"}
     port = str(29500 + os.getpid() % 1000)
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", port,
            str(REPO / "launcher" / "train.py"), "--ds", str(ds), "--config", str(REPO / "configs" / "tiny.yaml"),
-           "--output-dir", str(out), "--max-steps", str(STEPS), f"data.trajectories={traj}", "train.save_every=8",
+           "--output-dir", str(out), "--max-steps", str(steps), f"data.trajectories={traj}", "train.save_every=8",
            *TINY_LLADA, "data.states=4", "train.micro_batch_size=4",
            "train.verify_frozen=true", "train.verify_export=true", *extra]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115
@@ -138,6 +138,23 @@ def test_kill_and_resume_matches_uninterrupted(tmp_path, traj_dir, zero3_run):
     assert summary["resumed_from"] >= 8
     for s in range(summary["resumed_from"] + 1, STEPS + 1):
         assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+
+
+@pytest.mark.slow
+def test_zero3_trains_latent_history(tmp_path, traj_dir):
+    """``model.history=latent:M`` trains through the same launcher (states evaluated in order)."""
+    out = tmp_path / "run"
+    _launch(_ds_json(tmp_path, "zero3.json", 3), traj_dir, out, "model.history=latent:2", "model.perceiver_heads=1",
+            steps=6)  # fmt: skip
+    assert sorted(_losses(out)) == list(range(1, 7))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checks"]["frozen_backbone_unchanged"] is True
+    assert summary["checks"]["export_max_abs_diff"] < 1e-4
+    adapter = tdlm.TDLM.from_adapter(tdlm.load_backbone("tiny-llada"), out / "adapter")
+    assert str(adapter.policy) == "latent:2" and adapter.num_latents == 2
+    mods = list(adapter.temporal.values())
+    assert all(m.memory.perceiver.heads == 1 for m in mods)
+    assert any(torch.count_nonzero(m.o_proj.weight) > 0 for m in mods)  # W_O starts at zero: it trained
 
 
 # -- preflight: bad input, one clear error each -------------------------------------------------------
