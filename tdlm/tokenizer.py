@@ -65,8 +65,16 @@ def load_tokenizer(name_or_path: str):
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise TDLMError(f"{folder}: no tokenizer files (expected tokenizer.json / tokenizer_config.json)")
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    # AutoTokenizer reads config.json, and transformers warns that it does not know model_type "llada"
+    # (our backbones are native, not transformers classes): noise in every log, so muted for this call.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    finally:
+        hf_logging.set_verbosity(level)
     tok.padding_side = "left"
     return tok
 
