@@ -158,6 +158,18 @@ def _card_accuracy(card: dict) -> str:
     return ", ".join(parts) + f" ({n} problems)"
 
 
+def _reproduction(runs: list[dict], card: dict, plan: DemoPlan) -> str:
+    """The shipped backbone's model-card accuracy, re-measured by the evaluator when it saw the whole split."""
+    orig = next((r for r in runs if r["policy"] == "original"), None)
+    want = (card.get("test_accuracy_original") or {}).get(f"block{plan.block_size}")
+    if orig is None or want is None or orig["n"] != card.get("test_size"):
+        return ""
+    same = abs(orig["accuracy"] - want) < 1e-9
+    return (f"\nReproduction: `original` decoding of all {orig['n']} held-out problems gives "
+            f"{100 * orig['accuracy']:.1f}%; the model card states {100 * want:.1f}% "
+            f"({'identical' if same else 'DIFFERENT'}).\n")
+
+
 def main() -> int:
     out = Path(os.environ.get("DEMO_DIR", REPO / "runs" / "demo"))
     plan = DemoPlan.from_env(out)
@@ -208,6 +220,7 @@ def main() -> int:
     plots = [ev / p for p in summary.get("plots", [])]
     card = json.loads((backbone_dir / "training.json").read_text()) if (backbone_dir / "training.json").exists() else {}
     minutes = (time.time() - t_start) / 60
+    repro = _reproduction(runs, card, plan)
     report = f"""# tdlm demo report
 
 Backbone `{BACKBONE}` ({card.get('parameters', '?')} parameters; held-out accuracy with `original` decoding
@@ -218,6 +231,7 @@ Total wall time {minutes:.1f} min.
 
 ## Finding
 {verdict}
+{repro}
 
 ## Results
 {table}

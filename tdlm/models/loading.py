@@ -16,6 +16,7 @@ backbone never exists twice in memory. The result is frozen and in eval mode.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
 from tdlm.models.dream import Dream, DreamConfig
 from tdlm.models.llada import LLaDA, LLaDAConfig
+
+log = logging.getLogger("tdlm.models")
 
 # Toy sizes of the real architectures. Special ids match tdlm's local toy tokenizer layout
 # (0 pad, 1 eos, 2 mask, ...); 4 layers so that dispersed/middle allocations differ.
@@ -184,6 +187,11 @@ def load_backbone(
     cfg_path = folder / "config.json"
     files = _weight_files(folder)
     target = _resolve_dtype(dtype, raw.get("torch_dtype"))
+    if target != torch.float32 and torch.device(device).type == "cpu" and dtype is None:
+        log.warning("%s: computing in %s (the checkpoint's torch_dtype) on CPU, which is several times slower "
+                    "than float32 on CPUs without native %s support; pass dtype='float32' (--dtype float32) "
+                    "to compute in fp32", folder, str(target).removeprefix("torch."),
+                    str(target).removeprefix("torch."))  # fmt: skip
     with torch.device("meta"):
         model = build_backbone(family, raw, str(cfg_path))
     expected = dict(model.state_dict())
