@@ -11,8 +11,8 @@ Usage (adapters from ``deepspeed launcher/train.py ... --output-dir DIR``; LABEL
         --problems 300 --taus 0.5 0.7 0.9
 
 Prints, per tau, the accuracy and mean NFE of the ``threshold`` baseline and of every adapter with the
-``tdlm`` policy (block 40, 40 tokens, fp32, batch 16: decode() is exact in batch, so the tokens equal
-batch-1 decoding), and writes the table as JSON with ``--out``.
+``tdlm`` policy (block 40 unless ``--block-size``, 40 tokens, fp32, batch 16: decode() is exact in
+batch, so the tokens equal batch-1 decoding), and writes the table as JSON with ``--out``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=512, help="teacher prompts at the head of the stream")
     ap.add_argument("--taus", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="decoding block (default: the demo's)")
     ap.add_argument("--out", help="write the table as JSON here")
     args = ap.parse_args()
 
@@ -48,6 +49,7 @@ def main() -> int:
     from tdlm.toydata import split
 
     torch.set_num_threads(1)
+    block = args.block_size or GEN_LENGTH
     stream = split("prompts", args.skip + 4 * args.problems)
     seen = {p.question for p in stream[: args.skip]}
     val = [p for p in stream[args.skip :] if p.question not in seen][: args.problems]
@@ -67,7 +69,7 @@ def main() -> int:
             correct, nfe = 0, 0
             for s in range(0, len(val), args.batch_size):
                 out = decode(model, ids[s : s + args.batch_size], policy=policy, threshold=tau,
-                             gen_length=GEN_LENGTH, block_size=GEN_LENGTH, tokenizer=tok, stop_ids=stop)  # fmt: skip
+                             gen_length=GEN_LENGTH, block_size=block, tokenizer=tok, stop_ids=stop)  # fmt: skip
                 for r, p in zip(out, val[s : s + args.batch_size], strict=True):
                     correct += bool(score_math("arith", r.text, str(p.answer)).correct)
                     nfe += r.nfe
@@ -75,7 +77,7 @@ def main() -> int:
             rows.append({"tau": tau, "model": label, "accuracy": 100 * correct / len(val), "nfe": nfe / len(val)})
     bar.close()
 
-    print(f"\nvalidation: {len(val)} problems (prompts stream after {args.skip}), block {GEN_LENGTH}, fp32\n")
+    print(f"\nvalidation: {len(val)} problems (prompts stream after {args.skip}), block {block}, fp32\n")
     print("| tau | model | accuracy | NFE |")
     print("|---|---|---|---|")
     for r in rows:
