@@ -33,18 +33,15 @@ saved run: load average 10-19 on 2 cores, 19 min wall for ~8 min of CPU time).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from benchlib import build_tdlm, machine, write_result  # bench/ is sys.path[0] when run as a script
 
 import tdlm
-from tdlm.models.loading import random_backbone
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_throughput.json"
 MEDIUM = dict(
@@ -58,13 +55,7 @@ TARGET_RATIO = 4.0
 
 def build(size: str) -> tdlm.TDLM:
     """TDLM (zero W_O) around a frozen backbone; ``.backbone`` serves the non-tdlm policies."""
-    if size == "tiny":
-        backbone = tdlm.load_backbone("tiny-llada")
-    elif size == "medium":
-        backbone = random_backbone("llada", MEDIUM, MEDIUM_SEED, "medium-llada")
-    else:
-        raise ValueError(f"unknown size {size!r}; expected 'tiny' or 'medium'")
-    return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()
+    return build_tdlm(size, MEDIUM, MEDIUM_SEED)
 
 
 def requests(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -135,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         result = {
             "bench": "decode_throughput",
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
+            **machine(),
             "threads": args.threads,
             "load_avg_before": load_before,
             "load_avg_after": load_after,
@@ -149,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "speedup_largest_batch": verdicts,
             "rows": rows,
         }  # fmt: skip
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\nwrote {out}")
+        write_result(out, result)
     return 0
 
 

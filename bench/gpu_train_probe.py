@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
 import platform
 import statistics
 import sys
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchlib import write_result  # bench/ is sys.path[0] when run as a script
 
 from tdlm.memory import GiB, PeakMeter, init_random_, max_micro_batch, plan, random_batch, tensor_bytes, train_step
 from tdlm.model import TDLM, TemporalConfig
@@ -296,9 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         table=table,
         wall_s=time.perf_counter() - t_start,
     )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out_path} ({result['wall_s']:.0f} s)")
+    write_result(out_path, result)
+    print(f"({result['wall_s']:.0f} s)")
     return 0
 
 

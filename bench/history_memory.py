@@ -29,15 +29,13 @@ Answer quality on the demo task is *not* measured here. Results go to
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+from benchlib import machine, write_result  # bench/ is sys.path[0] when run as a script
 
 import tdlm
 from tdlm.models.llada import LLaDA, LLaDAConfig
@@ -171,15 +169,8 @@ def main() -> None:
         )
     result = {
         "bench": "history_memory",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-        },
+        **machine(),
+        "processor": platform.processor() or platform.machine(),
         "setup": {
             "backbone": "LLaDA d_model=256 n_layers=8 n_heads=8 mlp=688 vocab=512, random init, fp32",
             "temporal": "dispersed:4 (layers 1,3,5,7), 4 heads x 64; perceiver 4 x 64",
@@ -194,10 +185,8 @@ def main() -> None:
         },
         "rows": rows,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out} ({elapsed:.0f} s)")
+    write_result(args.out, result)
+    print(f"({elapsed:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -22,16 +22,16 @@ that folder does not exist, the embedded default's 512 teacher trajectories are 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchlib import machine, write_result  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 from tdlm.demo import BACKBONE, DTYPE, GEN_LENGTH, _run, ensure_toy_trajectories  # noqa: E402
 
@@ -104,8 +104,8 @@ def main() -> int:
 
     result = {
         "bench": "latent_quality",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg_1m": load},
+        **machine(),
+        "loadavg_1m": load,
         "settings": {"backbone": BACKBONE, "latents": args.latents, "steps": args.steps, "problems": args.problems,
                      "taus": args.taus, "gen_length": GEN_LENGTH, "block_size": GEN_LENGTH,
                      "config": "configs/tiny.yaml", "trajectories": args.trajectories},  # fmt: skip
@@ -115,10 +115,7 @@ def main() -> int:
         "target_met": met,
         "wall_seconds": round(time.time() - t0, 1),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

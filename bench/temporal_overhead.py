@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
 import math
 import os
 import platform
@@ -60,10 +59,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchlib import build_tdlm, write_result  # bench/ is sys.path[0] when run as a script
 
 import tdlm
 from tdlm.adapter import sink_softmax, temporal_rope
-from tdlm.models.loading import random_backbone
 
 RESULTS_REL = "bench/results/temporal_overhead.json"
 RESULTS = Path(__file__).resolve().parent.parent / RESULTS_REL
@@ -80,13 +79,7 @@ MEDIUM_SEED = 0
 # -- models and inputs -------------------------------------------------------------------------
 def build(size: str) -> tdlm.TDLM:
     """TDLM with the default temporal config on a frozen backbone of the given size."""
-    if size == "tiny":
-        backbone = tdlm.load_backbone("tiny-llada")
-    elif size == "medium":
-        backbone = random_backbone("llada", MEDIUM, MEDIUM_SEED, "medium-llada")
-    else:
-        raise ValueError(f"unknown size {size!r}; expected 'tiny' or 'medium'")
-    return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()
+    return build_tdlm(size, MEDIUM, MEDIUM_SEED)
 
 
 def make_input(model: tdlm.TDLM, seed: int = 0) -> torch.Tensor:
@@ -475,9 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "profile": args.profile_result,
         }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        write_result(out, result)
     return 0
 
 

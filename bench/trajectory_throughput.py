@@ -32,11 +32,9 @@ second core, and on a CPU a batch only helps while per-call overhead, not the ma
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import logging
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -50,6 +48,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
+from benchlib import machine, write_result  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 from tdlm.generation import MANIFEST, GenerationConfig, generate  # noqa: E402
 
@@ -142,12 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None:
         result = {
             "bench": "trajectory_throughput",
-            "date": dt.datetime.now().isoformat(timespec="seconds"),
-            "torch": torch.__version__,
+            **machine(),
             "ray": ray.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
             "threads_per_replica": 1,
             "load_avg_before": load_before,
             "load_avg_after": load_after,
@@ -159,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "batching_gain": batching,
             "rows": rows,
         }  # fmt: skip
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\nwrote {out}")
+        write_result(out, result)
     return 0
 
 

@@ -82,6 +82,17 @@ def test_release_style_config_json_is_accepted(tmp_path):
     assert loaded.mask_token_id == 2 and loaded.default_temporal()["heads"] == 4
 
 
+def test_bf16_checkpoint_on_cpu_warns_unless_a_dtype_is_chosen(tmp_path, caplog):
+    folder = save_pretrained(tdlm.load_backbone("tiny-llada").to(torch.bfloat16), tmp_path / "ckpt")
+    with caplog.at_level("WARNING", logger="tdlm.models"):
+        assert next(tdlm.load_backbone(str(folder)).parameters()).dtype == torch.bfloat16
+    assert "dtype='float32'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tdlm.models"):
+        assert next(tdlm.load_backbone(str(folder), dtype="float32").parameters()).dtype == torch.float32
+    assert caplog.text == ""
+
+
 def _pad_left(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     L = max(len(r) for r in rows)
     ids = torch.full((len(rows), L), pad, dtype=torch.long)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tdlm
-from tdlm.demo import ensure_toy_trajectories, judge
+from tdlm.demo import DemoPlan, _card_accuracy, _reproduction, ensure_toy_trajectories, judge
 from tdlm.trajectories import read_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +66,18 @@ def test_judge_states_the_target_honestly():
     assert not facts["target_met"] and text.startswith("Target NOT met")
 
 
+def test_report_rechecks_the_model_card():
+    card = {"test_accuracy_original": {"block40": 0.798, "block8": 0.764}, "test_size": 500}
+    assert _card_accuracy(card) == "79.8% with block 40, 76.4% with block 8 (500 problems)"
+    assert _card_accuracy({}) == "not recorded"
+    plan = DemoPlan(Path("x"), prompts=8, train_steps=1, test_problems=500, thresholds=(0.9,), block_size=40)
+    same = _reproduction([{"policy": "original", "n": 500, "accuracy": 0.798}], card, plan)
+    assert "79.8%" in same and "(identical)" in same
+    assert "(DIFFERENT)" in _reproduction([{"policy": "original", "n": 500, "accuracy": 0.79}], card, plan)
+    # a subset of the split cannot reproduce the card's number: say nothing rather than compare
+    assert _reproduction([{"policy": "original", "n": 12, "accuracy": 0.798}], card, plan) == ""
+
+
 @pytest.mark.slow
 def test_demo_fast_runs_every_stage(tmp_path):
     env = os.environ | {"DEMO_FAST": "1", "DEMO_DIR": str(tmp_path / "demo"), "OMP_NUM_THREADS": "1",
@@ -82,6 +94,9 @@ def test_demo_fast_runs_every_stage(tmp_path):
     ev = json.loads((out / "eval" / "summary.json").read_text())
     assert {r["policy"] for r in ev["runs"]} == {"original", "threshold", "tdlm"}
     assert all(r["n"] == 12 for r in ev["runs"])
+    # the shipped weights are bf16 on disk; every stage computes in fp32 (as training and the model card)
+    assert json.loads((out / "trajectories" / "manifest.json").read_text())["settings"]["dtype"] == "float32"
+    assert {r["dtype"] for r in ev["runs"]} == {"float32"}
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] and "target_met" in report
     assert "Target" in (out / "report.md").read_text()

@@ -43,13 +43,7 @@ def offline_wandb(tmp_path_factory, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decode on 1 thread, like the Ray CPU actors (num_cpus=1), so in-process and actor runs agree bit for bit."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _random_adapter(path: Path, layers: str, seed: int) -> str:

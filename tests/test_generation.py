@@ -30,7 +30,13 @@ from tdlm.decoding import decode
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardStore, ShardTask, ShardWorker, WorkerSpec, generate
 from tdlm.generation.store import sha256_of, shard_name
-from tdlm.generation.worker import BARRIER_ENV, CRASH_ENV, KILL_ENV, backbone_fingerprint
+from tdlm.generation.worker import (
+    BARRIER_ENV,
+    CRASH_ENV,
+    KILL_ENV,
+    FaultInjection,
+    backbone_fingerprint,
+)
 from tdlm.prompts import PromptSource, load_prompts
 from tdlm.tokenizer import encode_prompts, load_tokenizer
 from tdlm.trajectories import read_parquet
@@ -42,13 +48,7 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"
 N_PROMPTS, SHARD = 8, 3  # 3 shards: [0, 3), [3, 6), [6, 8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process decoding on 1 thread: on the shared 2-core machine 2 threads run ~8x slower under load."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +326,24 @@ def assert_complete(out: Path, cfg: GenerationConfig) -> list:
     ids = [p.source_id for p in load_prompts(cfg.prompt_source())]
     assert [r.source_id for r in records] == ids  # every prompt exactly once, shard i = [i*S, (i+1)*S)
     return records
+
+
+def test_shard_barrier_holds_until_enough_replicas(tmp_path, monkeypatch):
+    """The test-only barrier that makes the two-replica test deterministic really waits."""
+    import threading
+
+    monkeypatch.setenv(BARRIER_ENV, "2")
+    faults = FaultInjection.from_env(str(tmp_path))
+    assert faults is not None and faults.barrier == 2
+    worker = ShardWorker.__new__(ShardWorker)  # the barrier needs only the spec, not a loaded model
+    worker.spec = WorkerSpec(backbone="tiny-llada", decode={}, faults=faults)
+    t = threading.Thread(target=worker._maybe_wait_at_barrier)
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # one replica at the barrier: still waiting
+    (Path(faults.barrier_dir) / "another-replica").touch()
+    t.join(10)
+    assert not t.is_alive()
 
 
 @pytest.mark.slow

@@ -9,36 +9,9 @@ import torch
 
 import tdlm
 from tdlm.adapter import sink_softmax, temporal_rope
-from tests.conftest import random_trajectory, state_at
+from tests.conftest import randomize_temporal, sampled_states, stepwise
 
 P, N = 7, 24  # prompt length, response length
-
-
-def _states(bb, seed: int, B: int = 2, K: int = 5) -> torch.Tensor:
-    """(B, K, L) inputs S_0..S_{K-1} along random trajectories, s_0 = 0 (all masked)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(B):
-        tokens, a, T = random_trajectory(g, P, N, bb.vocab_size, bb.mask_token_id, steps=12)
-        steps = [0] + sorted(torch.randperm(T - 1, generator=g)[: K - 1].add(1).tolist())
-        rows.append(torch.stack([state_at(tokens, a, s, P, bb.mask_token_id) for s in steps]))
-    return torch.stack(rows)
-
-
-def _randomize(model: tdlm.TDLM, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.temporal.values():
-            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.2)
-            mod.sink.fill_(float(torch.randn((), generator=g)))
-
-
-def _stepwise(model: tdlm.TDLM, x: torch.Tensor) -> torch.Tensor:
-    B, K, _ = x.shape
-    cache = model.new_cache(B)
-    return torch.stack([model.forward_step(x[:, i], P, cache) for i in range(K)], dim=1)
-
-
 POLICIES = ["full", "last:1", "last:3", "current"]
 
 
@@ -50,7 +23,7 @@ def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, history):
         assert torch.count_nonzero(mod.o_proj.weight) == 0
         with torch.no_grad():
             mod.sink.fill_(-1.3)
-    x = _states(bb, seed=1)
+    x = sampled_states(bb, P, N, seed=1)
     B, K, L = x.shape
     with torch.no_grad():
         ref = bb(x.reshape(B * K, L)).view(B, K, L, -1)
@@ -66,11 +39,11 @@ def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, history):
 def test_prop2_parallel_equals_stepwise(backbone_name, history):
     bb = tdlm.load_backbone(backbone_name)
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history))
-    _randomize(model, seed=3)
-    x = _states(bb, seed=2, K=6)
+    randomize_temporal(model, seed=3)
+    x = sampled_states(bb, P, N, seed=2, K=6)
     with torch.no_grad():
         par = model.forward_states(x, P)
-        seq = _stepwise(model, x)
+        seq = stepwise(model, x, P)
         base = bb(x.reshape(-1, x.shape[-1])).view_as(par)
     rel = ((par - seq).abs().max() / seq.abs().max()).item()
     assert rel <= 1e-5, rel
@@ -85,8 +58,8 @@ def test_revealed_and_prompt_positions_are_never_corrected():
     # position-wise (FFN, final norm, LLaDA head): uncorrected positions keep the backbone's logits.
     bb = tdlm.load_backbone("tiny-llada")
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers=[bb.num_layers - 1], history="full"))
-    _randomize(model, seed=4)
-    x = _states(bb, seed=5, K=5)
+    randomize_temporal(model, seed=4)
+    x = sampled_states(bb, P, N, seed=5, K=5)
     with torch.no_grad():
         par = model.forward_states(x, P)
         base = bb(x.reshape(-1, x.shape[-1])).view_as(par)
@@ -133,8 +106,8 @@ def test_temporal_rope_is_relative():
 def test_gradients_reach_only_temporal_parameters(backbone_name):
     bb = tdlm.load_backbone(backbone_name)
     model = tdlm.TDLM(bb).train()
-    _randomize(model, seed=7)
-    x = _states(bb, seed=8, K=4)
+    randomize_temporal(model, seed=7)
+    x = sampled_states(bb, P, N, seed=8, K=4)
     logits = model.forward_states(x, P)
     logits.float().logsumexp(-1).mean().backward()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -148,11 +121,11 @@ def test_gradients_reach_only_temporal_parameters(backbone_name):
 
 def test_activation_checkpointing_gives_identical_gradients():
     bb = tdlm.load_backbone("tiny-llada")
-    x = _states(bb, seed=9, K=4)
+    x = sampled_states(bb, P, N, seed=9, K=4)
     grads, state = [], None
     for ckpt in (False, True):
         model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all"))
-        _randomize(model, seed=1)
+        randomize_temporal(model, seed=1)
         if state is None:
             state = model.temporal.state_dict()
         model.temporal.load_state_dict(state)

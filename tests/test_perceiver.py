@@ -18,39 +18,14 @@ from tdlm.perceiver import (
     perceiver_parameter_count,
     softcap,
 )
-from tests.conftest import random_trajectory, state_at
+from tests.conftest import randomize_temporal, sampled_states, stepwise
 
 P, N = 7, 24  # prompt length, response length
 
 
-def _states(bb, seed: int, B: int = 2, K: int = 5) -> torch.Tensor:
-    """(B, K, L) inputs S_0..S_{K-1} along random trajectories, s_0 = 0 (all masked)."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(B):
-        tokens, a, T = random_trajectory(g, P, N, bb.vocab_size, bb.mask_token_id, steps=12)
-        steps = [0] + sorted(torch.randperm(T - 1, generator=g)[: K - 1].add(1).tolist())
-        rows.append(torch.stack([state_at(tokens, a, s, P, bb.mask_token_id) for s in steps]))
-    return torch.stack(rows)
-
-
-def _randomize(model: tdlm.TDLM, seed: int = 0) -> None:
-    """Nonzero W_O and sink, and initial latents large enough to matter."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.temporal.values():
-            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.2)
-            mod.sink.fill_(float(torch.randn((), generator=g)))
-            if isinstance(getattr(mod, "memory", None), LatentMemory):
-                mod.memory.latents.copy_(torch.randn(mod.memory.latents.shape, generator=g))
-
-
-def _stepwise(model: tdlm.TDLM, x: torch.Tensor) -> torch.Tensor:
-    cache = model.new_cache(x.shape[0])
-    return torch.stack([model.forward_step(x[:, i], P, cache) for i in range(x.shape[1])], dim=1)
-
-
 # -- the block ---------------------------------------------------------------------------------
+
+
 def test_parameter_counts_match_the_seed():
     block = PerceiverAttention(768, 12, 64)
     assert sum(p.numel() for p in block.parameters()) == 3_540_608
@@ -206,7 +181,7 @@ def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, M):
             assert torch.count_nonzero(mod.o_proj.weight) == 0
             mod.sink.fill_(-1.3)
             mod.memory.latents.copy_(torch.randn(mod.memory.latents.shape, generator=g) * 5)
-    x = _states(bb, seed=1)
+    x = sampled_states(bb, P, N, seed=1)
     B, K, L = x.shape
     with torch.no_grad():
         per_state = torch.stack([bb(x[:, i]) for i in range(K)], dim=1)
@@ -223,11 +198,11 @@ def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, M):
 def test_forward_states_equals_stepwise(backbone_name, M):
     bb = tdlm.load_backbone(backbone_name)
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=f"latent:{M}"))
-    _randomize(model, seed=3)
-    x = _states(bb, seed=2, K=6)
+    randomize_temporal(model, seed=3)
+    x = sampled_states(bb, P, N, seed=2, K=6)
     with torch.no_grad():
         par = model.forward_states(x, P)
-        seq = _stepwise(model, x)
+        seq = stepwise(model, x, P)
         base = torch.stack([bb(x[:, i]) for i in range(x.shape[1])], dim=1)
     rel = ((par - seq).abs().max() / seq.abs().max()).item()
     assert rel <= 1e-5, rel
@@ -241,8 +216,8 @@ def test_latents_carry_history_and_only_masked_positions_change():
     # and prompt positions keep the backbone's logits exactly.
     bb = tdlm.load_backbone("tiny-llada")
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers=[bb.num_layers - 1], history="latent:2"))
-    _randomize(model, seed=4)
-    x = _states(bb, seed=5, K=5)
+    randomize_temporal(model, seed=4)
+    x = sampled_states(bb, P, N, seed=5, K=5)
     with torch.no_grad():
         par = model.forward_states(x, P)
         base = torch.stack([bb(x[:, i]) for i in range(x.shape[1])], dim=1)
@@ -278,8 +253,8 @@ def test_cache_memory_is_constant_in_steps():
 def test_cache_select_equals_running_the_rows_alone():
     bb = tdlm.load_backbone("tiny-dream")
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history="latent:3"))
-    _randomize(model, seed=6)
-    x = _states(bb, seed=7, B=3, K=5)
+    randomize_temporal(model, seed=6)
+    x = sampled_states(bb, P, N, seed=7, B=3, K=5)
     with torch.no_grad():
         cache = model.new_cache(3)
         for i in range(2):
@@ -288,7 +263,7 @@ def test_cache_select_equals_running_the_rows_alone():
         cache.select(torch.tensor([2, 0]))
         assert cache.batch_size == 2 and cache.nbytes() == before * 2 // 3
         rest = torch.stack([model.forward_step(x[[2, 0], i], P, cache) for i in range(2, 5)], dim=1)
-        alone = torch.cat([_stepwise(model, x[[r]]) for r in (2, 0)])[:, 2:]
+        alone = torch.cat([stepwise(model, x[[r]], P) for r in (2, 0)])[:, 2:]
     assert torch.allclose(rest, alone, rtol=1e-5, atol=1e-5)
 
 
@@ -315,8 +290,8 @@ def test_revealed_positions_have_dead_latents():
 def test_gradients_flow_through_the_latent_updates(backbone_name):
     bb = tdlm.load_backbone(backbone_name)
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(history="latent:4")).train()
-    _randomize(model, seed=7)
-    x = _states(bb, seed=8, K=4)
+    randomize_temporal(model, seed=7)
+    x = sampled_states(bb, P, N, seed=8, K=4)
     model.forward_states(x, P).float().logsumexp(-1).mean().backward()
     assert all(p.grad is None for p in bb.parameters())
     for n, p in model.temporal.named_parameters():
@@ -326,11 +301,11 @@ def test_gradients_flow_through_the_latent_updates(backbone_name):
 
 def test_latent_gradients_with_activation_checkpointing():
     bb = tdlm.load_backbone("tiny-llada")
-    x = _states(bb, seed=9, K=4)
+    x = sampled_states(bb, P, N, seed=9, K=4)
     grads, state = [], None
     for ckpt in (False, True):
         model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history="latent:2"))
-        _randomize(model, seed=1)
+        randomize_temporal(model, seed=1)
         if state is None:
             state = model.temporal.state_dict()
         model.temporal.load_state_dict(state)
@@ -344,7 +319,7 @@ def test_adapter_round_trip_with_latent_policy(tmp_path):
     bb = tdlm.load_backbone("tiny-llada")
     cfg = tdlm.TemporalConfig(layers="middle:2", heads=2, head_dim=8, history="latent:3", perceiver_heads=4)
     model = tdlm.TDLM(bb, cfg)
-    _randomize(model, seed=10)
+    randomize_temporal(model, seed=10)
     out = model.save_adapter(tmp_path / "ad")
     raw = json.loads((out / "adapter_config.json").read_text())
     assert raw["history"] == "latent:3"
@@ -355,7 +330,7 @@ def test_adapter_round_trip_with_latent_policy(tmp_path):
     assert again.adapter_state_dict().keys() == model.adapter_state_dict().keys()
     for k, v in model.adapter_state_dict().items():
         assert torch.equal(again.adapter_state_dict()[k], v), k
-    x = _states(bb, seed=11, K=4)
+    x = sampled_states(bb, P, N, seed=11, K=4)
     with torch.no_grad():
         assert torch.equal(model.forward_states(x, P), again.forward_states(x, P))
     with pytest.raises(tdlm.TDLMError, match="trained with history 'latent:3'"):

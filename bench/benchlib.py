@@ -1,0 +1,47 @@
+"""What every bench result records about the machine, and how it is written (``bench/results/*.json``)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    """Date (UTC), versions, platform, CPU count and current 1-minute load: enough to tell runs apart."""
+    return {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def build_tdlm(size: str, medium: dict, medium_seed: int):
+    """TDLM with the default temporal config (zero W_O) on a frozen LLaDA: the ``tiny-llada`` preset, or
+    the real class at the bench's ``medium`` config with seeded random weights; ``.backbone`` is the plain one."""
+    import tdlm
+    from tdlm.models.loading import random_backbone
+
+    if size == "tiny":
+        backbone = tdlm.load_backbone("tiny-llada")
+    elif size == "medium":
+        backbone = random_backbone("llada", medium, medium_seed, "medium-llada")
+    else:
+        raise ValueError(f"unknown size {size!r}; expected 'tiny' or 'medium'")
+    return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()
+
+
+def write_result(path: str | os.PathLike, result: dict) -> Path:
+    """Write ``result`` as indented JSON (parents created) and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return out
