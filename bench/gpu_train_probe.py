@@ -9,20 +9,21 @@ Commands (repository root, venv active)::
 
 What runs. ``tdlm.models.llada.LLaDA(LLaDAConfig())`` (the release shapes: 32 layers, d 4096, SwiGLU 12288,
 V 126464) is built on the meta device, cast to bf16 and materialised on the GPU with seeded random weights
-(``to_empty`` + ``tdlm.memory.init_random_``; nothing is downloaded). For each temporal allocation
+(``to_empty`` + ``tdlm.training.planner.init_random_``; nothing is downloaded). For each temporal allocation
 (dispersed:8, dispersed:16, all = 32 layers; 4 heads x 64) and activation checkpointing off / on, a fresh TDLM
 adapter and ``torch.optim.AdamW`` over its parameters run ``--steps`` training steps of
-:func:`tdlm.memory.train_step` (forward_states over K random trajectory states of L tokens -> trajectory_loss ->
+:func:`tdlm.training.planner.train_step` (forward_states over K random trajectory states of L tokens, LM head at
+the supervised positions -> trajectory_loss ->
 backward -> AdamW), the first one as warm-up (it creates the AdamW states). The table reports
 ``torch.cuda.max_memory_allocated`` over the measured steps (absolute: backbone included), the median step time,
-and ``tdlm.memory.plan(..., zero=0)`` for the same shapes: one process, no DeepSpeed, AdamW states in bf16. A
+and ``tdlm.training.planner.plan(..., zero=0)`` for the same shapes: one process, no DeepSpeed, AdamW states in bf16. A
 config that runs out of memory is reported as OOM and the probe moves on. With ``--boundary`` (default on a GPU)
 it also runs ``all`` without checkpointing at the largest micro-batch the planner says fits the device (or
 ``--cap-gb``) and at one more, to check the fit boundary on hardware.
 
 ``--cap-gb G`` limits this process's CUDA allocator to G GiB (``torch.cuda.set_per_process_memory_fraction``) to
 emulate a smaller card. ``--tiny`` runs the same code on the CPU at toy size (8 layers, d 64; allocations
-dispersed:2 / dispersed:4 / all) and measures with the profiler-based ``tdlm.memory.PeakMeter``.
+dispersed:2 / dispersed:4 / all) and measures with the profiler-based ``tdlm.training.planner.PeakMeter``.
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ from pathlib import Path
 import torch
 from benchlib import write_result  # bench/ is sys.path[0] when run as a script
 
-from tdlm.memory import GiB, PeakMeter, init_random_, max_micro_batch, plan, random_batch, tensor_bytes, train_step
 from tdlm.model import TDLM, TemporalConfig
 from tdlm.models.llada import LLaDA, LLaDAConfig
+from tdlm.training.planner import (
+    GiB,
+    PeakMeter,
+    init_random_,
+    max_micro_batch,
+    plan,
+    random_batch,
+    tensor_bytes,
+    train_step,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TINY = LLaDAConfig(
@@ -291,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             heads=args.heads,
             head_dim=args.head_dim,
         ),
-        planner="tdlm.memory.plan(zero=0, world_size=1): one process, plain AdamW, states in the parameter dtype",
+        planner="tdlm.training.planner.plan(zero=0, world_size=1): one process, plain AdamW, states in the "
+        "parameter dtype",
         rows=rows,
         table=table,
         wall_s=time.perf_counter() - t_start,

@@ -27,15 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv: list[str] | None = None) -> int:
     from tdlm.config import apply_overrides, from_dict, load_yaml
     from tdlm.demo import ensure_toy_trajectories
-    from tdlm.ds_config import load_ds_json
     from tdlm.errors import TDLMError
-    from tdlm.train_config import RunConfig
     from tdlm.training import train
+    from tdlm.training.config import RunConfig
+    from tdlm.training.ds_config import load_ds_json
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ds", required=True,
                     help="DeepSpeed JSON (ds_configs/zero3.json, zero2.json, zero3_offload.json)")
-    ap.add_argument("--config", default=None, help="run config YAML (configs/tiny.yaml); fields of tdlm.train_config")
+    ap.add_argument("--config", default=None,
+                    help="run config YAML (configs/llada_8b.yaml, configs/dream_7b.yaml, configs/tiny.yaml); "
+                         "fields of tdlm.training.config")
     ap.add_argument("--output-dir", default=None,
                     help="run folder (checkpoints/, adapter/, metrics.jsonl, summary.json)")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer updates (sets train.max_steps)")

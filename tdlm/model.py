@@ -60,6 +60,7 @@ from tdlm.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_
 ADAPTER_FORMAT_VERSION = 1
 ADAPTER_WEIGHTS = "adapter.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+ALIGNMENTS = ("prediction", "input")
 
 
 @dataclass
@@ -75,6 +76,10 @@ class TemporalConfig:
     # d_attn = d_t (LDLM's d_attn = d would be ~100M parameters per layer at d = 4096).
     perceiver_heads: int | None = None
     perceiver_head_dim: int | None = None
+    # Which hidden state of a masked token p is corrected and keeps history, for backbones with a logit
+    # shift (Dream predicts p from h at p - 1): "prediction" (default) = the one whose logits decide p;
+    # "input" = the one at p itself. The paper does not say; both equal for LLaDA (no shift).
+    alignment: str = "prediction"
 
     def resolved(self, backbone: Backbone) -> TemporalConfig:
         d = backbone.default_temporal()
@@ -89,6 +94,10 @@ class TemporalConfig:
         )
         if out.heads < 1 or out.head_dim < 2:
             raise TDLMError(f"temporal heads must be >= 1 and head_dim >= 2; got {out.heads} x {out.head_dim}")
+        if out.head_dim % 2:
+            raise TDLMError(f"temporal head_dim must be even (RoPE rotates pairs); got {out.head_dim}")
+        if out.alignment not in ALIGNMENTS:
+            raise TDLMError(f"temporal alignment must be one of {', '.join(ALIGNMENTS)}; got {out.alignment!r}")
         if not policy.recurrent:
             if (self.perceiver_heads, self.perceiver_head_dim) != (None, None):
                 raise TDLMError(f"perceiver_heads/perceiver_head_dim apply to history 'latent:M' only; got {policy}")
@@ -111,6 +120,9 @@ class TDLM(nn.Module):
         self.config = (config or TemporalConfig()).resolved(backbone)
         self.policy = HistoryPolicy.parse(self.config.history)
         self.layer_ids: list[int] = list(self.config.layers)  # type: ignore[arg-type]
+        # The temporal slice of h starts `offset` positions before the response: h at p - offset
+        # stands for response token p (its logits predict p under the backbone's shift).
+        self.offset = backbone.logit_shift if self.config.alignment == "prediction" else 0
         param = next(backbone.parameters())
         self.temporal = nn.ModuleDict(
             {
@@ -199,15 +211,34 @@ class TDLM(nn.Module):
         return input_ids[..., prompt_len:] == self.backbone.mask_token_id
 
     def _check_prompt_len(self, prompt_len: int, L: int) -> None:
-        if not isinstance(prompt_len, int) or not 0 <= prompt_len < L:
-            raise TDLMError(f"prompt_len must be an int in 0..{L - 1} for sequences of length {L}; got {prompt_len!r}")
+        lo = self.offset
+        if not isinstance(prompt_len, int) or not lo <= prompt_len < L:
+            raise TDLMError(
+                f"prompt_len must be an int in {lo}..{L - 1} for sequences of length {L}; got {prompt_len!r}"
+                + (" (prediction-aligned temporal layers read h at prompt_len - 1)" if lo else "")
+            )
+
+    def _slice(self, h: torch.Tensor, prompt_len: int) -> tuple[int, int]:
+        """Span [a, b) of h whose rows stand for the N response tokens (shifted by ``offset``)."""
+        a = prompt_len - self.offset
+        return a, a + h.shape[1] - prompt_len
+
+    @staticmethod
+    def _splice(h: torch.Tensor, a: int, b: int, corrected: torch.Tensor) -> torch.Tensor:
+        return torch.cat([h[:, :a], corrected, h[:, b:]], 1)
 
     def _run_layer(self, i: int, x: torch.Tensor, ctx: ForwardContext, insert) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
             return checkpoint(self.backbone.layer, i, x, ctx, insert, use_reentrant=False)
         return self.backbone.layer(i, x, ctx, insert)
 
-    def _run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, insert) -> torch.Tensor:
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        insert,
+        select: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x, ctx = self.backbone.prepare(input_ids, attention_mask)
         first = self.layer_ids[0]
         # Below the lowest temporal layer nothing depends on temporal parameters: no autograd there.
@@ -216,7 +247,7 @@ class TDLM(nn.Module):
                 x = self.backbone.layer(i, x, ctx, None)
         for i in range(first, self.backbone.num_layers):
             x = self._run_layer(i, x, ctx, insert)
-        return self.backbone.head(x, ctx)
+        return self.backbone.head(x, ctx, select)
 
     # -- parallel mode (training) --------------------------------------------------------------
     def forward_states(
@@ -224,10 +255,13 @@ class TDLM(nn.Module):
         input_ids: torch.Tensor,
         prompt_len: int,
         attention_mask: torch.Tensor | None = None,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, K, L, V) for K states S_0..S_{K-1} of each trajectory, evaluated together.
 
         input_ids (B, K, L) in trajectory order; attention_mask (B, L) or (B, K, L), 1 = token.
+        ``select`` (B, K, L) bool returns only the logits of those positions, (S, V) in row-major
+        order (training: the supervised positions of Eq. 5; the LM head runs on nothing else).
         A recurrent history (``latent:M``) evaluates the states in order with a fresh cache instead.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 3:
@@ -235,6 +269,10 @@ class TDLM(nn.Module):
             raise TDLMError(f"forward_states expects input_ids of shape [B, K, L]; got shape {shape}")
         B, K, L = input_ids.shape
         self._check_prompt_len(prompt_len, L)
+        if select is not None and select.shape != input_ids.shape:
+            raise TDLMError(
+                f"select must have the shape of input_ids {tuple(input_ids.shape)}; got {tuple(select.shape)}"
+            )
         flat = input_ids.reshape(B * K, L)
         self.backbone.check_input_ids(flat)
         if attention_mask is not None:
@@ -246,10 +284,19 @@ class TDLM(nn.Module):
             cache = self.new_cache(B)
             am = None if attention_mask is None else attention_mask.view(B, K, L)
             steps = [
-                self.forward_step(input_ids[:, i], prompt_len, cache, None if am is None else am[:, i])
+                self.forward_step(
+                    input_ids[:, i], prompt_len, cache, None if am is None else am[:, i],
+                    None if select is None else select[:, i],
+                )
                 for i in range(K)
             ]
-            return torch.stack(steps, dim=1)  # (B, K, L, V)
+            if select is None:
+                return torch.stack(steps, dim=1)  # (B, K, L, V)
+            # The steps give rows in (K, B, L) order; put them back in select's (B, K, L) order.
+            order = torch.zeros((K, B, L), dtype=torch.long, device=input_ids.device)
+            sel_t = select.transpose(0, 1)
+            order[sel_t] = torch.arange(int(sel_t.sum()), device=input_ids.device)
+            return torch.cat(steps)[order.transpose(0, 1)[select]]  # (S, V)
         masked = self._masked(input_ids, prompt_len)  # (B, K, N)
         r = (~masked).sum(-1)  # (B, K) revealed response tokens r_i
         allowed = self.policy.parallel_mask(K, input_ids.device)[None, None] & masked.transpose(1, 2)[:, :, None, :]
@@ -260,16 +307,17 @@ class TDLM(nn.Module):
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
             if mod is None:
                 return h
-            hr = h[:, prompt_len:].reshape(B, K, L - prompt_len, -1)  # (B, K, N, d)
+            a, b = self._slice(h, prompt_len)
+            hr = h[:, a:b].reshape(B, K, L - prompt_len, -1)  # (B, K, N, d)
             q, k, v = mod.project(hr, r[:, :, None])  # (B, K, N, M, dh)
             scores = torch.einsum("binmd,bjnmd->bnmij", q, k) / mod.head_dim**0.5  # (B, N, M, Ki, Kj)
             w = sink_softmax(scores, allowed[:, :, None], mod.sink)  # (B, N, M, Ki, Kj)
             z = torch.einsum("bnmij,bjnmd->binmd", w.to(v.dtype), v)  # (B, K, N, M, dh)
             delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
-            return torch.cat([h[:, :prompt_len], h[:, prompt_len:] + delta.reshape(B * K, L - prompt_len, -1)], 1)
+            return self._splice(h, a, b, h[:, a:b] + delta.reshape(B * K, L - prompt_len, -1))
 
-        logits = self._run(flat, attention_mask, insert)
-        return logits.view(B, K, L, -1)
+        logits = self._run(flat, attention_mask, insert, None if select is None else select.reshape(B * K, L))
+        return logits if select is not None else logits.view(B, K, L, -1)
 
     # -- step-wise mode (decoding) -------------------------------------------------------------
     def forward_step(
@@ -278,8 +326,12 @@ class TDLM(nn.Module):
         prompt_len: int,
         cache: TemporalCache,
         attention_mask: torch.Tensor | None = None,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, L, V) for one evaluation; retrieves from and appends to ``cache``."""
+        """Logits (B, L, V) for one evaluation; retrieves from and appends to ``cache``.
+
+        ``select`` (B, L) bool returns only those positions' logits, (S, V) in row-major order.
+        """
         self.backbone.check_input_ids(input_ids)
         B, L = input_ids.shape
         self._check_prompt_len(prompt_len, L)
@@ -291,13 +343,14 @@ class TDLM(nn.Module):
         if self.policy.recurrent:
             if not isinstance(cache, LatentCache):
                 raise TDLMError(f"history {self.policy} needs a latent cache; create it with model.new_cache(B)")
-            return self._latent_step(input_ids, prompt_len, cache, attention_mask, masked, r)
+            return self._latent_step(input_ids, prompt_len, cache, attention_mask, masked, r, select)
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
             if mod is None:
                 return h
-            hr = h[:, prompt_len:]  # (B, N, d)
+            a, b = self._slice(h, prompt_len)
+            hr = h[:, a:b]  # (B, N, d)
             q, k, v = mod.project(hr, r[:, None])  # (B, N, M, dh)
             if self.policy.kind == "current":
                 keys, values, valid = k[:, None], v[:, None], masked[:, None]
@@ -311,9 +364,9 @@ class TDLM(nn.Module):
             w = sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink)
             z = torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values)  # (B, N, M, dh)
             delta = mod.output(z, h) * mcol
-            return torch.cat([h[:, :prompt_len], hr + delta], 1)
+            return self._splice(h, a, b, hr + delta)
 
-        logits = self._run(input_ids, attention_mask, insert)
+        logits = self._run(input_ids, attention_mask, insert, select)
         cache.commit(masked)
         return logits
 
@@ -325,6 +378,7 @@ class TDLM(nn.Module):
         attention_mask: torch.Tensor | None,
         masked: torch.Tensor,
         r: torch.Tensor,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One evaluation under ``latent:M``: read the latents, correct (Eq. 2), fold in h (Perceiver)."""
         B, N = masked.shape
@@ -339,7 +393,8 @@ class TDLM(nn.Module):
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
             if mod is None:
                 return h
-            hr = h[:, prompt_len:]  # (B, N, d): h_{l,p}(S_i), before the correction
+            a, b = self._slice(h, prompt_len)
+            hr = h[:, a:b]  # (B, N, d): h_{l,p}(S_i), before the correction
             lat = lat_in.get(layer)
             if lat is None:
                 lat = mod.memory.initial(B, N)  # (B, N, M, d) learned initial latents
@@ -351,9 +406,9 @@ class TDLM(nn.Module):
             z = torch.einsum("bnhj,bnjhd->bnhd", w.to(v.dtype), v)  # (B, N, H, dh)
             delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
             lat_out[layer] = mod.memory.update(lat, hr, masked)  # u + Perceiver(u, [h]) where masked
-            return torch.cat([h[:, :prompt_len], hr + delta], 1)
+            return self._splice(h, a, b, hr + delta)
 
-        logits = self._run(input_ids, attention_mask, insert)
+        logits = self._run(input_ids, attention_mask, insert, select)
         cache.write(lat_out)
         cache.commit(masked)
         return logits
@@ -380,6 +435,7 @@ class TDLM(nn.Module):
             "head_dim": self.config.head_dim,
             "history": str(self.policy),
             "rope_base": self.config.rope_base,
+            "alignment": self.config.alignment,
             "num_parameters": self.num_temporal_parameters(),
             **({"perceiver": self._perceiver_config()} if self.num_latents else {}),
         }
@@ -448,6 +504,8 @@ class TDLM(nn.Module):
             head_dim=int(raw["head_dim"]),
             history=str(requested),
             rope_base=float(raw.get("rope_base", 10000.0)),
+            # Adapters written before the field existed were trained input-aligned.
+            alignment=str(raw.get("alignment", "input")),
             perceiver_heads=int(perceiver["heads"]) if perceiver else None,
             perceiver_head_dim=int(perceiver["head_dim"]) if perceiver else None,
         )

@@ -207,6 +207,9 @@ def build_batch(
 def trajectory_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Eq. (5) pieces: (sum of CE over supervised tokens, number of supervised tokens).
 
+    ``logits`` (..., V) with ``labels`` of the same leading shape: either every position (labels
+    ``IGNORE_INDEX`` where unsupervised) or only the supervised ones ((S, V) with S labels).
+
     ``loss = sum / count`` is the mean over all supervised tokens of all sampled inputs; dividing by a
     global count (over accumulation steps and ranks) keeps every supervised token's weight equal.
     """
@@ -215,7 +218,9 @@ def trajectory_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     count = int(sel.sum())
     if count == 0:
         return logits.sum() * 0.0, 0
-    picked = logits.reshape(-1, logits.shape[-1])[sel]
+    flat = logits.reshape(-1, logits.shape[-1])
+    # Logits computed only at the supervised positions ((S, V), S labels) need no gather copy.
+    picked = flat if count == flat_labels.numel() else flat[sel]
     ce = F.cross_entropy(picked.float(), flat_labels[sel], reduction="sum")
     return ce, count
 

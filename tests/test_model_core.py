@@ -15,10 +15,14 @@ P, N = 7, 24  # prompt length, response length
 POLICIES = ["full", "last:1", "last:3", "current"]
 
 
+ALIGNMENTS = ["prediction", "input"]
+
+
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("history", POLICIES)
-def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, history):
+def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, history, alignment):
     bb = tdlm.load_backbone(backbone_name)
-    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history))
+    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history, alignment=alignment))
     for mod in model.temporal.values():  # init must be zero, sink arbitrary does not matter
         assert torch.count_nonzero(mod.o_proj.weight) == 0
         with torch.no_grad():
@@ -35,10 +39,11 @@ def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, history):
             assert torch.equal(step, bb(x[:, i]))
 
 
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
 @pytest.mark.parametrize("history", POLICIES)
-def test_prop2_parallel_equals_stepwise(backbone_name, history):
+def test_prop2_parallel_equals_stepwise(backbone_name, history, alignment):
     bb = tdlm.load_backbone(backbone_name)
-    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history))
+    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history, alignment=alignment))
     randomize_temporal(model, seed=3)
     x = sampled_states(bb, P, N, seed=2, K=6)
     with torch.no_grad():
@@ -67,6 +72,63 @@ def test_revealed_and_prompt_positions_are_never_corrected():
     masked[..., P:] = x[..., P:] == bb.mask_token_id
     assert torch.equal(par[~masked], base[~masked])
     assert (par[:, 1:][masked[:, 1:]] - base[:, 1:][masked[:, 1:]]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("alignment", ALIGNMENTS)
+def test_dream_alignment_decides_which_hidden_state_is_corrected(alignment):
+    # Dream predicts token p from h at p - 1. With the last block as the only temporal layer everything
+    # after the correction is position-wise, so the aligned logits of token p differ from the backbone's
+    # exactly where h at p - 1 was corrected: prediction-aligned, where token p is masked (in this state
+    # and an earlier one, so there is history); input-aligned, where token p - 1 is.
+    bb = tdlm.load_backbone("tiny-dream")
+    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers=[bb.num_layers - 1], history="full", alignment=alignment))
+    assert model.offset == (1 if alignment == "prediction" else 0)
+    randomize_temporal(model, seed=4)
+    x = sampled_states(bb, P, N, seed=5, K=5)
+    with torch.no_grad():
+        par = model.forward_states(x, P)
+        seq = stepwise(model, x, P)
+        base = bb(x.reshape(-1, x.shape[-1])).view_as(par)
+    assert ((par - seq).abs().max() / seq.abs().max()).item() <= 1e-5  # Prop. 2 with this alignment
+    B, K, L = x.shape
+    masked = torch.zeros(x.shape, dtype=torch.bool)
+    masked[..., P:] = x[..., P:] == bb.mask_token_id
+    with_history = masked & (masked.cumsum(1) > 1)  # masked now and in some earlier state (A_{p,i,j})
+    corrected = with_history if alignment == "prediction" else torch.roll(with_history, 1, dims=-1)
+    corrected[..., : P + (alignment == "input")] = False
+    changed = (par - base).abs().amax(-1) > 1e-6
+    assert torch.equal(changed, corrected)
+    assert corrected.any()
+
+
+def test_alignment_is_a_no_op_without_logit_shift():
+    bb = tdlm.load_backbone("tiny-llada")
+    x = sampled_states(bb, P, N, seed=6, K=4)
+    pred = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", alignment="prediction"))
+    randomize_temporal(pred, seed=2)
+    inp = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", alignment="input"))
+    inp.temporal.load_state_dict(pred.temporal.state_dict())
+    with torch.no_grad():
+        assert torch.equal(pred.forward_states(x, P), inp.forward_states(x, P))
+
+
+def test_alignment_is_recorded_in_the_adapter_and_old_adapters_load_input_aligned(tmp_path):
+    import json
+
+    bb = tdlm.load_backbone("tiny-dream")
+    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="middle:2"))
+    assert model.config.alignment == "prediction"
+    model.save_adapter(tmp_path / "a")
+    cfg_path = tmp_path / "a" / "adapter_config.json"
+    assert json.loads(cfg_path.read_text())["alignment"] == "prediction"
+    assert tdlm.TDLM.from_adapter(bb, tmp_path / "a").offset == 1
+    raw = json.loads(cfg_path.read_text())
+    del raw["alignment"]  # written before the field existed
+    cfg_path.write_text(json.dumps(raw))
+    old = tdlm.TDLM.from_adapter(bb, tmp_path / "a")
+    assert old.config.alignment == "input" and old.offset == 0
+    with pytest.raises(tdlm.TDLMError, match="alignment must be one of prediction, input"):
+        tdlm.TDLM(bb, tdlm.TemporalConfig(alignment="left"))
 
 
 def test_sink_bound_eq11():

@@ -17,9 +17,9 @@ import torch
 import tdlm
 from tdlm.config import apply_overrides, from_dict, load_yaml
 from tdlm.decoding import decode
-from tdlm.ds_config import load_ds_json, resolve_ds_config
-from tdlm.train_config import RunConfig
 from tdlm.training import lr_lambda, preflight
+from tdlm.training.config import RunConfig
+from tdlm.training.ds_config import load_ds_json, resolve_ds_config
 from tdlm.trajectories import TrajectoryRecord, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]

@@ -80,12 +80,15 @@ def bidirectional_attention(
 class Backbone(nn.Module):
     """A frozen masked-diffusion denoiser ``input_ids (B, L) -> logits (B, L, V)``.
 
-    Subclasses define ``embed``, ``blocks`` (each with ``attend``/``feed_forward``), ``final`` and
-    the attributes below. Logits returned by :meth:`forward` / :meth:`head` are *aligned*: entry p
-    predicts the token at position p (Dream's shift is applied inside its backbone).
+    Subclasses define ``embed``, ``blocks`` (each with ``attend``/``feed_forward``), ``project``
+    (final norm + LM head of hidden states) and the attributes below. Logits returned by
+    :meth:`forward` / :meth:`head` are *aligned*: entry p predicts the token at position p. A backbone
+    with ``logit_shift = 1`` (Dream) predicts token p from the hidden state at p - 1; :meth:`head`
+    applies the shift, so callers never see it.
     """
 
     family: str = ""
+    logit_shift: int = 0  # the hidden state at p - logit_shift predicts token p
     mask_token_id: int
     eos_token_id: int
     pad_token_id: int
@@ -102,8 +105,32 @@ class Backbone(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def final(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head of hidden states (..., d) -> (..., V), no alignment applied."""
         raise NotImplementedError
+
+    def source_positions(
+        self, rows: torch.Tensor, pos: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
+        """Hidden-state index whose projection predicts token ``pos`` of row ``rows`` (both (S,)).
+
+        ``pos - logit_shift``, except at a row's first real token (0 unpadded, ``ctx.first_token``
+        when left-padded), which keeps its own logits as in the release's ``cat([logits[:, :1], ...])``.
+        """
+        if self.logit_shift == 0:
+            return pos
+        first = torch.zeros_like(pos) if ctx is None or ctx.first_token is None else ctx.first_token[rows]
+        return torch.where(pos > first, pos - self.logit_shift, pos)
+
+    def final(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """Aligned logits (B, L, V) of every position."""
+        logits = self.project(x)
+        if self.logit_shift == 0:
+            return logits
+        B, L = x.shape[:2]
+        rows = torch.arange(B, device=x.device)[:, None].expand(B, L).reshape(-1)
+        pos = torch.arange(L, device=x.device).expand(B, L).reshape(-1)
+        return logits[rows, self.source_positions(rows, pos, ctx)].view(B, L, -1)
 
     def default_temporal(self) -> dict:
         """Default temporal allocation for this backbone (paper Section 3.1)."""
@@ -156,8 +183,21 @@ class Backbone(nn.Module):
             h = insert(index, h)  # h~_{l,p}(S_i)
         return block.feed_forward(h)
 
-    def head(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        return self.final(x, ctx)
+    def head(
+        self, x: torch.Tensor, ctx: ForwardContext | None = None, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Aligned logits: (B, L, V), or (S, V) for the S positions where ``select`` (B, L) is True.
+
+        With ``select`` the LM head runs on the S hidden states that predict those positions only
+        (gathered first, the logit shift applied to the gather), in row-major order of ``select``.
+        Training reads a few percent of all positions, so this is most of the logits' memory.
+        """
+        if select is None:
+            return self.final(x, ctx)
+        if select.shape != x.shape[:2]:
+            raise TDLMError(f"select must have shape {tuple(x.shape[:2])} (batch, length); got {tuple(select.shape)}")
+        rows, pos = select.nonzero(as_tuple=True)
+        return self.project(x[rows, self.source_positions(rows, pos, ctx)])  # (S, V)
 
     def forward(
         self,

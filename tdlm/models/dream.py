@@ -6,9 +6,10 @@ bidirectional attention. Names equal the release keys (``model.embed_tokens``,
 ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, ``lm_head``).
 
 Dream was initialised from an autoregressive model and keeps its **logit shift**: the token at
-position p is predicted from the hidden state at p-1. :meth:`Dream.final` applies the shift, so every
-caller sees aligned logits (entry p predicts position p), as the release's ``diffusion_generate`` does
-with ``cat([logits[:, :1], logits[:, :-1]], 1)``.
+position p is predicted from the hidden state at p-1. ``logit_shift = 1`` makes :meth:`Backbone.head`
+apply the shift, so every caller sees aligned logits (entry p predicts position p), as the release's
+``diffusion_generate`` does with ``cat([logits[:, :1], logits[:, :-1]], 1)``; a left-padded row's first
+real token keeps its own logits, as position 0 does unpadded.
 
 Reference: Ye et al., "Dream 7B" (2025).
 """
@@ -135,6 +136,7 @@ class Dream(Backbone):
     """Dream denoiser with the logit shift applied inside; keys are the release's keys."""
 
     family = "dream"
+    logit_shift = 1
 
     def __init__(self, cfg: DreamConfig) -> None:
         super().__init__()
@@ -157,15 +159,8 @@ class Dream(Backbone):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def final(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(x))  # (B, L, V); entry p predicts p+1
-        shifted = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # aligned: entry p predicts p
-        if ctx is not None and ctx.first_token is not None:
-            # A left-padded row starts at first_token: that entry keeps its own logits, exactly as
-            # position 0 does unpadded, so batched rows equal per-sample rows.
-            rows = torch.arange(x.shape[0], device=x.device)
-            shifted[rows, ctx.first_token] = logits[rows, ctx.first_token]
-        return shifted
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(h))  # (..., V); from position p it predicts p + 1
 
     def default_temporal(self) -> dict:
         if self.cfg.tdlm_temporal_default:

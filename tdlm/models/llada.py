@@ -143,9 +143,9 @@ class LLaDA(Backbone):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.wte(input_ids)
 
-    def final(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def project(self, h: torch.Tensor) -> torch.Tensor:
         t = self.model.transformer
-        return t.ff_out(t.ln_f(x))  # (B, L, V)
+        return t.ff_out(t.ln_f(h))  # (..., V)
 
     def default_temporal(self) -> dict:
         if self.cfg.tdlm_temporal_default:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from tdlm.errors import TDLMError
-from tdlm.train_config import RunConfig
+from tdlm.training.config import RunConfig
 
 
 def load_ds_json(path: str | Path) -> dict:

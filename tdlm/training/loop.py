@@ -6,9 +6,10 @@ The recipe, as numbered steps (each a function below):
    (partitioned at load under ``deepspeed.zero.Init`` for ZeRO-3), attach the temporal modules, build
    the per-rank trajectory stream and a DeepSpeed engine that owns only the temporal parameters.
 2. ``train_step``: the step's micro-batches are built first so the *global* supervised-token count
-   is known (all-reduced); each micro-batch runs the parallel forward over its K sampled states and
-   backpropagates ``sum CE / (global_tokens / (world * accum))``. DeepSpeed's own 1/accum and
-   1/world averaging then leaves exactly Eq. 5: the mean CE over every supervised token of the step.
+   is known (all-reduced); each micro-batch runs the parallel forward over its K sampled states, the
+   LM head only at its supervised positions, and backpropagates ``sum CE / (global_tokens / (world * accum))``.
+   DeepSpeed's own 1/accum and 1/world averaging then leaves exactly Eq. 5: the mean CE over every
+   supervised token of the step.
 3. logging (rank 0): loss, supervised tokens/s, step time, peak memory, LR -> progress bar,
    ``metrics.jsonl`` and W&B; checkpoints every ``save_every`` steps and at the end.
 4. ``export_adapter``: gathers the fp32 master weights of the temporal modules and writes
@@ -30,12 +31,12 @@ import torch
 
 from tdlm.config import to_dict
 from tdlm.data import TrajectoryStream
-from tdlm.ds_config import resolve_ds_config, uses_activation_checkpointing
 from tdlm.errors import TDLMError
 from tdlm.model import TDLM, TemporalConfig
 from tdlm.tracking import NullTracker, Tracker
-from tdlm.train_config import RunConfig
-from tdlm.trajectories import trajectory_loss
+from tdlm.training.config import RunConfig
+from tdlm.training.ds_config import resolve_ds_config, uses_activation_checkpointing
+from tdlm.trajectories import IGNORE_INDEX, trajectory_loss
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -49,9 +50,19 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """This rank's peak: memory *reserved* by the CUDA caching allocator (what an OOM is decided on), or
+    the process's peak RSS on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return torch.cuda.max_memory_reserved(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def supervised_ce(model, batch) -> torch.Tensor:
+    """Sum of Eq. 5's cross-entropy over the batch's supervised tokens; the LM head runs only there."""
+    select = batch.labels != IGNORE_INDEX  # (B, K, L)
+    logits = model(batch.input_ids, batch.prompt_len, attention_mask=batch.attention_mask, select=select)
+    ce_sum, _ = trajectory_loss(logits, batch.labels[select])  # logits (S, V)
+    return ce_sum
 
 
 @dataclass
@@ -225,8 +236,7 @@ def train_step(sess: Session, step: int) -> dict:
     t0 = time.perf_counter()
     ce_total = torch.zeros((), device=sess.device, dtype=torch.float64)
     for b in batches:
-        logits = engine(b.input_ids, b.prompt_len, attention_mask=b.attention_mask)
-        ce_sum, _ = trajectory_loss(logits, b.labels)
+        ce_sum = supervised_ce(engine, b)
         engine.backward(ce_sum / norm)
         engine.step()
         ce_total += ce_sum.detach().double()
@@ -234,6 +244,9 @@ def train_step(sess: Session, step: int) -> dict:
     if sess.device.type == "cuda":
         torch.cuda.synchronize(sess.device)
     dt = time.perf_counter() - t0
+    # The largest rank decides an OOM: log the maximum over ranks, not rank 0's own.
+    peak = torch.tensor([peak_memory_mb(sess.device)], device=sess.device, dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
     return {
         "loss": float(ce_total.item()) / max(global_tokens, 1.0),
@@ -241,7 +254,7 @@ def train_step(sess: Session, step: int) -> dict:
         "tokens_per_s": global_tokens / dt,
         "step_time_s": dt,
         "lr": lr,
-        "peak_mem_mb": peak_memory_mb(sess.device),
+        "peak_mem_mb": float(peak.item()),
     }
 
 
@@ -279,9 +292,10 @@ def verify_export(sess: Session, adapter_dir: Path) -> float | None:
     from tdlm.models.loading import load_backbone
 
     probe = sess.stream.micro_batch(0).to(sess.device)
+    select = probe.labels != IGNORE_INDEX  # full-vocabulary logits of every position would not fit at 8B
     sess.engine.eval()
     with torch.no_grad():
-        ref = sess.engine(probe.input_ids, probe.prompt_len, attention_mask=probe.attention_mask)
+        ref = sess.engine(probe.input_ids, probe.prompt_len, attention_mask=probe.attention_mask, select=select)
     sess.engine.train()
     if sess.rank != 0:
         return None
@@ -289,7 +303,8 @@ def verify_export(sess: Session, adapter_dir: Path) -> float | None:
     fresh = TDLM.from_adapter(bb, adapter_dir, history=sess.run.model.history)
     fresh.temporal.to(ref.dtype)
     with torch.no_grad():
-        out = fresh.forward_states(probe.input_ids, probe.prompt_len, attention_mask=probe.attention_mask)
+        out = fresh.forward_states(probe.input_ids, probe.prompt_len, attention_mask=probe.attention_mask,
+                                   select=select)
     return float((out.float() - ref.float()).abs().max())
 
 

@@ -2,22 +2,24 @@
 
 Commands (repository root, venv active)::
 
-    python -m tdlm.memory --backbone llada-8b --layers all --states 8 --seq-len 512 --zero 3 --world-size 1 \\
-        --checkpointing off
-    python -m tdlm.memory --backbone dream-7b --zero 3 --world-size 8 --checkpointing on --micro-batch 4
-    python -m tdlm.memory --backbone path/to/LLaDA-8B-Instruct --layers dispersed:16 --json   # reads config.json
-    python -m tdlm.memory --table --states 8 --seq-len 512      # the README table (1 and 8 GPUs, ckpt on/off)
-    python -m tdlm.memory --measure --backbone tiny-llada --states 8 --seq-len 128 --zero 0   # CPU: real steps
+    python -m tdlm.training.planner --backbone llada-8b --layers all --states 8 --seq-len 768 --response-len 256 \\
+        --micro-batch 4 --world-size 8 --ds ds_configs/zero3.json        # stage, knobs, checkpointing from the DS JSON
+    python -m tdlm.training.planner --backbone dream-7b --zero 3 --world-size 8 --checkpointing on --micro-batch 4
+    python -m tdlm.training.planner --backbone path/to/LLaDA-8B-Instruct --layers dispersed:16 --json  # config.json
+    python -m tdlm.training.planner --table --states 8 --seq-len 512   # the README table (1 and 8 GPUs, ckpt on/off)
+    python -m tdlm.training.planner --measure --backbone tiny-llada --states 8 --seq-len 128 --zero 0  # CPU steps
 
 Python::
 
-    from tdlm.memory import plan, measure_peak
+    from tdlm.training.planner import plan, measure_peak
     p = plan("llada-8b", layers="all", states=8, seq_len=512, zero=3, world_size=1, checkpointing=False)
     p.total, p.fits, print(p.report())
 
 What is modelled. One training micro-step of the recipe :func:`train_step` (the one ``bench/gpu_train_probe.py``
-and :func:`measure_peak` run): ``logits = TDLM.forward_states(ids (B, K, L))`` -> ``trajectory_loss`` (Eq. 5) ->
-``backward`` -> AdamW on the temporal parameters. The caller holds ``logits`` until backward ends. Sizes are read
+and :func:`measure_peak` run): ``logits = TDLM.forward_states(ids (B, K, L), select=supervised)`` (the LM head runs
+only at the S supervised positions, :func:`tdlm.training.loop.supervised_ce`) -> ``trajectory_loss`` (Eq. 5) ->
+``backward`` -> AdamW on the temporal parameters. ``head="full"`` models the former recipe instead (logits of all
+T positions, held by the caller until backward ends), for comparison. Sizes are read
 from the model itself (style point 9): the backbone and the TDLM adapter are built on the ``meta`` device, so
 parameter counts, the largest ZeRO-3 fetch unit and persistent parameters come from ``named_parameters``, and
 block widths from the block modules. Notation: B micro-batch per GPU, K sampled states, L = prompt + response
@@ -56,13 +58,18 @@ Activations (saved for backward; per token, from the code paths of ``tdlm/models
   * RoPE tables       2 d_head e per token (cos, sin of the forward context).
   * checkpointing on  only each checkpointed block's input, d e per token for layers l0..n-1 (non-reentrant
                       torch.utils.checkpoint), plus one block recomputed during backward.
-  * head              4 d + 4 per token (final RMSNorm input in fp32).
-  * logits            T V e, (B, K, L, V) in the model dtype, held by the caller through backward; the model
-                      computes logits at every position although only S rows carry a loss.
-  * loss forward      S V e (gathered rows) + S V 4 (their fp32 copy, bf16 only) + S V 4 (log-softmax, saved).
+  * head              S (4 d + 20): final RMSNorm input in fp32 + rsqrt of the S gathered rows, their int64 indices
+                      (+ 8 with a logit shift);
+                      Dream's shift only moves the gather by one position).
+  * logits            S V e, (S, V) in the model dtype, alive during the loss forward only (the loss saves its
+                      log-softmax, not its input).
+  * loss forward      S V 4 (fp32 copy, bf16 only) + S V 4 (log-softmax, saved).
   * loss backward     3 S V 4 (log-softmax output, its grad, the fp32 input grad).
-  * head backward     c T V e + S V e + T d e: the full-size logits gradient (c = 1; Dream's logit shift makes
-                      c = 3: the shifted grad and one zero-padded grad per slice) plus the gathered rows' grad.
+  * head backward     S V e + S d e + T d e: the logits' grad, the gathered rows' grad and the zero-filled
+                      (T, d) grad the gather scatters it into.
+  ``head="full"`` (former recipe): head T (4 d + 4); logits T V e held through backward; loss forward adds S V e
+  (gathered rows); head backward c T V e + S V e + T d e (c = 1; 3 for Dream's shift: the shifted grad and one
+  zero-padded grad per slice) and Dream's forward holds 2 T V e (unshifted + shifted).
   * block backward    3 F e + 2 d e per token: grad of the FFN product, SiLU output and up projection are alive
                       together, plus the residual-stream grads.
 
@@ -88,18 +95,11 @@ same with ``torch.cuda.max_memory_allocated`` at LLaDA-8B size on a GPU.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import gc
 import json
 import math
 import os
-import resource
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,10 +117,11 @@ GiB = 1024**3
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 RELEASES = {"llada-8b": ("llada", LLaDAConfig), "dream-7b": ("dream", DreamConfig)}
-# Full-size logits gradients alive at once in the head backward (see the module docstring).
+# head="full" only: full-size logits gradients alive at once in the head backward (module docstring).
 HEAD_GRAD_COPIES = {"llada": 1, "dream": 3}
-# Full-size logits alive at once in the head forward (Dream: unshifted + shifted).
+# head="full" only: full-size logits alive at once in the head forward (Dream: unshifted + shifted).
 HEAD_FWD_COPIES = {"llada": 1, "dream": 2}
+HEADS = ("supervised", "full")
 
 
 # -- backbones ------------------------------------------------------------------------------------
@@ -181,6 +182,7 @@ class BackboneCosts:
     kv_dim: int  # H_kv * head_dim
     ffn: int  # F, SwiGLU inner width
     vocab: int  # V, logits width
+    logit_shift: int = 0  # Dream 1: the gather reads h at p - 1
 
     @classmethod
     def of(cls, backbone: Backbone) -> BackboneCosts:
@@ -204,6 +206,7 @@ class BackboneCosts:
             kv_dim=width("k_proj"),
             ffn=width("ff_proj", "gate_proj"),
             vocab=backbone.vocab_size,
+            logit_shift=backbone.logit_shift,
         )
 
     def attention_saved(self, e: int) -> int:
@@ -221,9 +224,10 @@ class BackboneCosts:
         """cos + sin of the forward context, 2 d_head e."""
         return 2 * self.head_dim * e
 
-    def head_saved(self) -> int:
-        """Final RMSNorm input in fp32 + rsqrt, 4 d + 4 (the frozen LM head saves no input)."""
-        return 4 * self.hidden + 4
+    def head_saved(self, gathered: bool = False) -> int:
+        """Final RMSNorm input in fp32 + rsqrt, 4 d + 4 (the frozen LM head saves no input); a gathered
+        (supervised-only) head adds its int64 indices: (row, position) pairs, 16, plus the shifted positions, 8."""
+        return 4 * self.hidden + 4 + ((16 + 8 * (self.logit_shift > 0)) if gathered else 0)
 
     def checkpoint_saved(self, e: int) -> int:
         """A checkpointed block keeps only its input, d e."""
@@ -328,6 +332,44 @@ class DSKnobs:
     param_persistence_threshold: int = 100_000  # stage3_param_persistence_threshold
     overlap_comm: bool = False  # stages 1-2 (double IPG bucket when true)
 
+    # DS JSON key of each field (zero_optimization section)
+    KEYS = {
+        "reduce_bucket_size": "reduce_bucket_size",
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "overlap_comm": "overlap_comm",
+    }
+
+    @classmethod
+    def from_ds_config(cls, ds: dict, where: str = "ds config", hidden_size: int | None = None) -> DSKnobs:
+        """The knobs a DS JSON sets; missing keys keep DeepSpeed's defaults.
+
+        ``"auto"`` resolves as the HF integration does from the model width d (reduce d^2, prefetch
+        0.9 d^2, persistence 10 d); without ``hidden_size`` it is an error.
+        """
+        zero = ds.get("zero_optimization", {})
+        if not isinstance(zero, dict):
+            raise TDLMError(f"{where}: zero_optimization must be an object; got {zero!r}")
+        auto = {"reduce_bucket_size": 1.0, "prefetch_bucket_size": 0.9, "param_persistence_threshold": 10.0}
+        values: dict = {}
+        for field_name, key in cls.KEYS.items():
+            if key not in zero:
+                continue
+            v = zero[key]
+            if v == "auto" and field_name in auto:
+                if hidden_size is None:
+                    raise TDLMError(f"{where}: zero_optimization.{key}='auto' needs the backbone's hidden size")
+                d = hidden_size
+                v = int(auto[field_name] * d * (d if field_name != "param_persistence_threshold" else 1))
+            if field_name == "overlap_comm":
+                if not isinstance(v, bool):
+                    raise TDLMError(f"{where}: zero_optimization.{key} must be true or false; got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+                raise TDLMError(f"{where}: zero_optimization.{key} must be a non-negative number; got {v!r}")
+            values[field_name] = v if field_name == "overlap_comm" else int(v)
+        return cls(**values)
+
 
 COMPONENTS = (
     ("frozen_params", "frozen backbone params"),
@@ -339,7 +381,7 @@ COMPONENTS = (
     ("backbone_activations", "activations: backbone (saved)"),
     ("temporal_activations", "activations: temporal attention"),
     ("temporal_history", "temporal history (K/V of the K states)"),
-    ("logits", "logits (B, K, L, V)"),
+    ("logits", "logits ((S, V); (B, K, L, V) with head=full)"),
     ("working", "loss / backward working set"),
 )
 
@@ -408,7 +450,8 @@ class MemoryPlan:
             f"(response N={s['response_len']}), S={s['supervised']} supervised -> T=B*K*L={s['tokens']:,} "
             f"tokens through the backbone, V={s['vocab']:,}",
             f"engine: ZeRO-{s['zero']}, world size {s['world_size']}, {s['dtype']} (grads {s['grad_dtype']}), "
-            f"optimizer offload {s['offload']}, activation checkpointing {'on' if s['checkpointing'] else 'off'}",
+            f"optimizer offload {s['offload']}, activation checkpointing {'on' if s['checkpointing'] else 'off'}, "
+            f"LM head on {'the S supervised positions' if s['head'] == 'supervised' else 'all T positions'}",
             "",
             f"{'component':44s} {'GiB':>8s}",
         ]
@@ -444,6 +487,7 @@ def plan(
     gpu_mem_gb: float = 96.0,
     reserve_gb: float = 2.0,
     knobs: DSKnobs = DSKnobs(),
+    head: str = "supervised",
 ) -> MemoryPlan:
     """Predict the peak memory per GPU of one training micro-step (formulas: module docstring).
 
@@ -460,6 +504,8 @@ def plan(
         raise TDLMError(f"zero stage must be 0, 1, 2 or 3; got {zero!r}")
     if offload not in ("none", "optimizer"):
         raise TDLMError(f"offload must be 'none' or 'optimizer'; got {offload!r}")
+    if head not in HEADS:
+        raise TDLMError(f"head must be one of {', '.join(HEADS)}; got {head!r}")
     N = seq_len // 2 if response_len is None else response_len
     if min(states, seq_len, micro_batch, world_size) < 1 or not 1 <= N <= seq_len:
         raise TDLMError(
@@ -516,34 +562,39 @@ def plan(
     else:
         saved = rope + T * bc.ffn_saved(e) + (n - l0 - 1) * T * bc.block_saved(e)
         a_t, a_h = t_saved, t_hist
-    head = T * bc.head_saved()
-    logits = T * V * e
     fp32_copy = S * V * 4 if e != 4 else 0
+    d_grads = S * bc.hidden * e + T * bc.hidden * e  # gathered rows' grad + the (T, d) grad it scatters into
 
     # 3. phases: (backbone activations, temporal, history, logits, working)
-    phases: dict[str, tuple[int, int, int, int, int]] = {
-        "loss forward": (saved + head, a_t, a_h, logits, S * V * e + fp32_copy + S * V * 4),
-        "loss backward": (saved + head, a_t, a_h, logits, 3 * S * V * 4),
-        "head backward": (
-            saved + head,
-            a_t,
-            a_h,
-            logits,
-            bc.head_grad_copies * T * V * e + S * V * e + T * bc.hidden * e,
-        ),
-    }
-    if bc.head_fwd_copies > 1:
-        phases["head forward"] = (saved + head, a_t, a_h, bc.head_fwd_copies * logits, 0)
+    phases: dict[str, tuple[int, int, int, int, int]]
+    if head == "supervised":
+        h_saved, logits = S * bc.head_saved(gathered=True), S * V * e
+        phases = {
+            "loss forward": (saved + h_saved, a_t, a_h, logits, fp32_copy + S * V * 4),
+            "loss backward": (saved + h_saved, a_t, a_h, 0, 3 * S * V * 4),
+            "head backward": (saved + h_saved, a_t, a_h, 0, S * V * e + d_grads),
+        }
+    else:
+        h_saved, logits = T * bc.head_saved(), T * V * e
+        phases = {
+            "loss forward": (saved + h_saved, a_t, a_h, logits, S * V * e + fp32_copy + S * V * 4),
+            "loss backward": (saved + h_saved, a_t, a_h, logits, 3 * S * V * 4),
+            "head backward": (saved + h_saved, a_t, a_h, logits,
+                              bc.head_grad_copies * T * V * e + S * V * e + T * bc.hidden * e),
+        }
+        if bc.head_fwd_copies > 1:
+            phases["head forward"] = (saved + h_saved, a_t, a_h, bc.head_fwd_copies * logits, 0)
+    logits_held = logits if head == "full" else 0
     if checkpointing:
         phases["block backward (recompute)"] = (
             saved + T * bc.block_saved(e),
             layer_t,
             layer_h,
-            logits,
+            logits_held,
             T * bc.backward_working(e),
         )
     else:
-        phases["block backward"] = (saved, a_t, a_h, logits, T * bc.backward_working(e))
+        phases["block backward"] = (saved, a_t, a_h, logits_held, T * bc.backward_working(e))
     step_es = e if zero == 0 else 4
     phases["optimizer step"] = (0, 0, 0, 0, 2 * step_es * (P_t if zero == 0 else P_local))
     totals = {k: sum(static.values()) + sum(v) for k, v in phases.items()}
@@ -579,6 +630,8 @@ def plan(
         world_size=world_size,
         offload=offload,
         checkpointing=checkpointing,
+        head=head,
+        knobs=dataclasses.asdict(knobs),
     )
     return MemoryPlan(
         **static,
@@ -629,457 +682,3 @@ def readme_table(backbone="llada-8b", worlds: Sequence[int] = (1, 8), allocation
                 cells += [f"{p.total / GiB:.1f}", "fits" if p.fits else "**OOM**", str(mb)]
             rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
-
-
-# -- measurement ----------------------------------------------------------------------------------
-class PeakMeter:
-    """Peak tensor memory inside a ``with`` block, in bytes above the level at entry (``peak_delta``).
-
-    CUDA: ``torch.cuda.max_memory_allocated`` (``peak`` is then absolute). CPU: the allocation events of
-    ``torch.profiler`` with ``profile_memory=True``; each carries the allocator's running total, so the maximum
-    of that total over the block is the exact peak of live CPU tensor bytes (no RSS or malloc noise).
-    """
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        self.peak_delta = 0
-        self.peak: int | None = None
-
-    def __enter__(self) -> PeakMeter:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            self.peak_delta = self.peak - self._start
-            return
-        self._prof.__exit__(*exc)
-        from torch._C._profiler import _EventType
-
-        allocs = []
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            ev = stack.pop()
-            if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == "cpu":
-                allocs.append((ev.start_time_ns, ev.extra_fields.alloc_size, ev.extra_fields.total_allocated))
-            stack.extend(ev.children)
-        if allocs:
-            allocs.sort()
-            base = allocs[0][2] - allocs[0][1]  # allocator total just before the first event
-            self.peak_delta = max(t for _, _, t in allocs) - base
-        del self._prof
-
-
-def tensor_bytes(*objs) -> int:
-    """Bytes of the distinct storages of the tensors in modules, optimizers, tensors and dataclasses given."""
-    seen: dict[int, int] = {}
-
-    def add(t):
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-
-    for o in objs:
-        if isinstance(o, nn.Module):
-            for t in [*o.parameters(), *o.buffers()]:
-                add(t)
-        elif isinstance(o, torch.optim.Optimizer):
-            for state in o.state.values():
-                for t in state.values():
-                    add(t)
-        elif dataclasses.is_dataclass(o):
-            for f in dataclasses.fields(o):
-                add(getattr(o, f.name))
-        else:
-            add(o)
-    return sum(seen.values())
-
-
-def init_random_(backbone: Backbone, seed: int = 0) -> Backbone:
-    """Seeded random weights in place (normal(0, 0.02); RMSNorm weights 1), on the parameters' device."""
-    g = torch.Generator(device=next(backbone.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in backbone.named_parameters():
-            if name.endswith("norm.weight") or ".ln_f." in name or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return backbone
-
-
-def random_batch(backbone: Backbone, micro_batch: int, states: int, seq_len: int, response_len: int, seed: int = 0):
-    """A :class:`tdlm.trajectories.TrainingBatch` of random teacher trajectories, one token revealed per step."""
-    from tdlm.trajectories import TrajectoryRecord, build_batch
-
-    g = torch.Generator().manual_seed(seed)
-    P, N = seq_len - response_len, response_len
-    if P < 1:
-        raise TDLMError(f"need a prompt: seq_len={seq_len} must exceed response_len={response_len}")
-    special = {backbone.mask_token_id, backbone.pad_token_id, backbone.eos_token_id}
-    lo = max(special) + 1 if max(special) < 16 else 0  # toy vocabularies keep specials at the bottom
-
-    def tokens(k: int) -> list[int]:
-        ids = torch.randint(lo, backbone.vocab_size, (k,), generator=g)
-        ids[torch.isin(ids, torch.tensor(sorted(special)))] = lo + 3
-        return ids.tolist()
-
-    records = [
-        TrajectoryRecord(
-            source_id=f"r{b}",
-            prompt_ids=tokens(P),
-            response_ids=tokens(N),
-            reveal_steps=(torch.randperm(N, generator=g) + 1).tolist(),
-            T=N,
-        )
-        for b in range(micro_batch)
-    ]
-    return build_batch(records, states, backbone.mask_token_id, backbone.pad_token_id, generator=g)
-
-
-def train_step(model, batch, optimizer: torch.optim.Optimizer) -> float:
-    """One micro-step of Eq. (5): forward over K states, CE over supervised tokens, backward, AdamW, zero_grad.
-
-    ``logits`` stays referenced until backward ends, as in a plain training loop (the planner assumes this).
-    """
-    logits = model.forward_states(batch.input_ids, batch.prompt_len, batch.attention_mask)  # (B, K, L, V)
-    from tdlm.trajectories import trajectory_loss
-
-    ce_sum, count = trajectory_loss(logits, batch.labels)
-    loss = ce_sum / max(count, 1)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
-
-
-@dataclass
-class Measurement:
-    """Measured peak of real training steps (single process, no ZeRO) next to the plan's prediction."""
-
-    peak: int  # bytes: live tensors before the steps + peak allocated during them
-    baseline: int  # bytes of parameters, optimizer states and batch before the measured steps
-    rss_delta: int  # ru_maxrss growth during the steps (informational; allocator-dependent)
-    step_seconds: float
-    predicted: dict  # MemoryPlan.to_dict()
-    setup: dict
-
-    @property
-    def ratio(self) -> float:
-        """measured / predicted."""
-        return self.peak / self.predicted["total"]
-
-
-def _current_rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _measure_here(
-    spec: BackboneSpec,
-    layers,
-    heads,
-    head_dim,
-    states,
-    seq_len,
-    response_len,
-    micro_batch,
-    dtype,
-    checkpointing,
-    steps,
-    seed,
-) -> Measurement:
-    """Run ``steps`` real training steps in this process on the CPU and measure their peak."""
-    from tdlm.model import TDLM, TemporalConfig
-
-    N = seq_len // 2 if response_len is None else response_len
-    backbone = init_random_(build_backbone(spec.family, spec.config, spec.name), seed).to(DTYPES[dtype]).freeze()
-    backbone.backbone_id = spec.name
-    model = TDLM(backbone, TemporalConfig(layers=layers, heads=heads, head_dim=head_dim))
-    model.activation_checkpointing = checkpointing
-    model.train()
-    batch = random_batch(backbone, micro_batch, states, seq_len, N, seed)
-    opt = torch.optim.AdamW(model.temporal.parameters(), lr=1e-4)
-    train_step(model, batch, opt)  # warm-up: creates the AdamW states
-    gc.collect()
-    baseline = tensor_bytes(model, opt, batch)
-    rss0 = _current_rss()
-    t0 = time.perf_counter()
-    with PeakMeter("cpu") as meter:
-        for _ in range(steps):
-            train_step(model, batch, opt)
-    dt = (time.perf_counter() - t0) / steps
-    rss_delta = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0)
-    predicted = plan(
-        spec,
-        model.layer_ids,
-        model.config.heads,
-        model.config.head_dim,
-        states=states,
-        seq_len=seq_len,
-        response_len=N,
-        supervised=batch.num_targets,
-        micro_batch=micro_batch,
-        dtype=dtype,
-        checkpointing=checkpointing,
-        zero=0,
-        world_size=1,
-    )
-    return Measurement(
-        peak=baseline + meter.peak_delta,
-        baseline=baseline,
-        rss_delta=rss_delta,
-        step_seconds=dt,
-        predicted=predicted.to_dict(),
-        setup=predicted.setup,
-    )
-
-
-def measure_peak(
-    backbone: str | os.PathLike | LLaDAConfig | DreamConfig = "tiny-llada",
-    layers: str | Sequence[int] | None = None,
-    heads: int | None = None,
-    head_dim: int | None = None,
-    *,
-    states: int = 8,
-    seq_len: int = 128,
-    response_len: int | None = None,
-    micro_batch: int = 1,
-    dtype: str = "fp32",
-    checkpointing: bool = False,
-    steps: int = 2,
-    threads: int = 1,
-    seed: int = 0,
-    timeout: float = 600.0,
-) -> Measurement:
-    """Measure the CPU peak of real training steps in a fresh subprocess (``python -m tdlm.memory --measure``).
-
-    A fresh process keeps the profiler's allocation counter and the heap clean. Config objects are written to a
-    temporary folder as ``config.json``; weights are random (nothing is downloaded or loaded). One intra-op thread
-    by default: on a shared 2-core machine OpenMP barriers made 2-thread steps 20-50x slower, and the thread count
-    does not change tensor memory.
-    """
-    with tempfile.TemporaryDirectory(prefix="tdlm-mem-") as tmp:
-        if isinstance(backbone, LLaDAConfig | DreamConfig):
-            (Path(tmp) / "config.json").write_text(json.dumps(backbone.to_dict()))
-            backbone = tmp
-        lay = None if layers is None else (layers if isinstance(layers, str) else ",".join(str(i) for i in layers))
-        cmd = [
-            sys.executable,
-            "-m",
-            "tdlm.memory",
-            "--measure",
-            "--json",
-            "--backbone",
-            str(backbone),
-            "--states",
-            str(states),
-            "--seq-len",
-            str(seq_len),
-            "--micro-batch",
-            str(micro_batch),
-            "--dtype",
-            dtype,
-            "--checkpointing",
-            "on" if checkpointing else "off",
-            "--zero",
-            "0",
-            "--steps",
-            str(steps),
-            "--seed",
-            str(seed),
-            "--threads",
-            str(threads),
-        ]
-        for flag, val in (
-            ("--layers", lay),
-            ("--heads", heads),
-            ("--head-dim", head_dim),
-            ("--response-len", response_len),
-        ):
-            if val is not None:
-                cmd += [flag, str(val)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"measurement failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return Measurement(**out)
-
-
-# -- command line ---------------------------------------------------------------------------------
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except None/False ones and where the help text already names its default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if action.default in (None, False) or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m tdlm.memory",
-        description="Predict the peak GPU memory per rank of TDLM training (frozen backbone + temporal adapters, "
-        "DeepSpeed ZeRO), broken down by component; formulas in the tdlm.memory docstring. Sizes in GiB.",
-        formatter_class=_HelpFormatter,
-    )
-    ap.add_argument(
-        "--backbone",
-        default="llada-8b",
-        help="'llada-8b' or 'dream-7b' (release configs), a preset (" + ", ".join(PRESETS) + "), or a "
-        "checkpoint folder / its config.json (only the config is read)",
-    )
-    ap.add_argument(
-        "--layers",
-        default=None,
-        help="temporal layers: 'all', 'dispersed:N', 'middle:N' or 'i,j,...' (default: the backbone's "
-        "paper allocation, LLaDA dispersed:16, Dream middle:14)",
-    )
-    ap.add_argument("--heads", type=int, default=None, help="temporal heads M (default: backbone's, 4)")
-    ap.add_argument("--head-dim", type=int, default=None, help="temporal head width d_h (LLaDA 64, Dream 84)")
-    ap.add_argument("--states", type=int, default=8, help="K sampled states per trajectory (forward_states)")
-    ap.add_argument("--seq-len", type=int, default=512, help="L = prompt + response tokens per state")
-    ap.add_argument("--response-len", type=int, default=None, help="N response tokens (default L // 2)")
-    ap.add_argument("--supervised", type=int, default=None, help="S supervised tokens per micro-batch (default B*N)")
-    ap.add_argument("--micro-batch", type=int, default=1, help="B trajectories per GPU per micro-step")
-    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="model / compute dtype")
-    ap.add_argument(
-        "--grad-dtype",
-        choices=sorted(DTYPE_BYTES),
-        default=None,
-        help="DeepSpeed grad_accum_dtype (default: the model dtype, as DeepSpeed does)",
-    )
-    ap.add_argument(
-        "--zero",
-        type=int,
-        choices=(0, 1, 2, 3),
-        default=3,
-        help="ZeRO stage; 0 = no ZeRO (plain PyTorch AdamW, states in the parameter dtype)",
-    )
-    ap.add_argument("--world-size", type=int, default=1, help="W data-parallel ranks (ZeRO partitions over W)")
-    ap.add_argument(
-        "--checkpointing",
-        choices=("on", "off"),
-        default="off",
-        help="activation checkpointing of each block from the lowest temporal layer up",
-    )
-    ap.add_argument(
-        "--offload",
-        choices=("none", "optimizer"),
-        default="none",
-        help="DeepSpeed offload_optimizer to CPU (fp32 master, moments and ZeRO-3 grad partition)",
-    )
-    ap.add_argument("--gpu-mem", type=float, default=96.0, help="GPU memory in GiB to check against")
-    ap.add_argument("--reserve", type=float, default=2.0, help="GiB kept for CUDA context, NCCL, fragmentation")
-    ap.add_argument(
-        "--reduce-bucket-size",
-        type=int,
-        default=DSKnobs.reduce_bucket_size,
-        help="DeepSpeed reduce_bucket_size (elements)",
-    )
-    ap.add_argument(
-        "--prefetch-bucket-size",
-        type=int,
-        default=DSKnobs.prefetch_bucket_size,
-        help="stage3_prefetch_bucket_size (elements)",
-    )
-    ap.add_argument(
-        "--max-live-parameters",
-        type=int,
-        default=DSKnobs.max_live_parameters,
-        help="stage3_max_live_parameters (elements)",
-    )
-    ap.add_argument(
-        "--param-persistence-threshold",
-        type=int,
-        default=DSKnobs.param_persistence_threshold,
-        help="stage3_param_persistence_threshold (elements)",
-    )
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument(
-        "--table",
-        action="store_true",
-        help="print the README table: dispersed:8 / dispersed:16 / all x checkpointing off/on on 1 and "
-        "8 GPUs of --gpu-mem (other flags set the shapes and engine)",
-    )
-    ap.add_argument(
-        "--measure",
-        action="store_true",
-        help="run real training steps on the CPU (single process, no ZeRO: use --zero 0) and print "
-        "the measured peak next to the prediction",
-    )
-    ap.add_argument("--steps", type=int, default=2, help="--measure: measured steps (after one warm-up step)")
-    ap.add_argument("--seed", type=int, default=0, help="--measure: seed of weights and trajectories")
-    ap.add_argument("--threads", type=int, default=1, help="--measure: torch intra-op threads")
-    return ap
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        spec = resolve_backbone(args.backbone)
-        layers = args.layers
-        common = dict(
-            states=args.states,
-            seq_len=args.seq_len,
-            response_len=args.response_len,
-            micro_batch=args.micro_batch,
-            dtype=args.dtype,
-            checkpointing=args.checkpointing == "on",
-        )
-        if args.measure:
-            if args.zero != 0 or args.world_size != 1:
-                raise TDLMError("--measure runs one process without ZeRO: pass --zero 0 --world-size 1")
-            torch.set_num_threads(args.threads)
-            m = _measure_here(spec, layers, args.heads, args.head_dim, steps=args.steps, seed=args.seed, **common)
-            if args.json:
-                print(json.dumps(dataclasses.asdict(m)))
-            else:
-                print(
-                    f"measured peak {m.peak / 2**20:.1f} MiB, predicted {m.predicted['total'] / 2**20:.1f} MiB "
-                    f"(ratio {m.ratio:.3f}; predicted peak at {m.predicted['peak_phase']}); "
-                    f"baseline {m.baseline / 2**20:.1f} MiB, RSS growth {m.rss_delta / 2**20:.1f} MiB, "
-                    f"{m.step_seconds:.2f} s/step"
-                )
-            return 0
-        knobs = DSKnobs(
-            args.reduce_bucket_size,
-            args.prefetch_bucket_size,
-            args.max_live_parameters,
-            args.param_persistence_threshold,
-        )
-        engine = dict(
-            supervised=args.supervised,
-            grad_dtype=args.grad_dtype,
-            zero=args.zero,
-            offload=args.offload,
-            gpu_mem_gb=args.gpu_mem,
-            reserve_gb=args.reserve,
-            knobs=knobs,
-        )
-        if args.table:
-            kw = {**common, **engine}
-            kw.pop("checkpointing")
-            print(readme_table(spec, **kw))
-            return 0
-        p = plan(spec, layers, args.heads, args.head_dim, world_size=args.world_size, **common, **engine)
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(p.to_dict()) if args.json else p.report())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

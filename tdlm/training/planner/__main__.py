@@ -1,0 +1,3 @@
+from tdlm.training.planner.cli import main
+
+raise SystemExit(main())
