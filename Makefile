@@ -4,6 +4,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# e.g. https://download.pytorch.org/whl/cu128 for CUDA wheels on aarch64 (GH200) nodes (see README)
+TORCH_INDEX_URL ?=
 
 .PHONY: test demo lint venv clean bench
 
@@ -12,7 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# Without CUDA, torch must come from the pinned CPU wheel *before* anything depends on it;
 	# an unpinned resolve would pull a multi-GB CUDA build.
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+	if [ -n "$(TORCH_INDEX_URL)" ]; then \
+	    $(BIN)/python -m pip install -q torch --index-url $(TORCH_INDEX_URL); \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 	    $(BIN)/python -m pip install -q torch; \
 	else \
 	    $(BIN)/python -m pip install -q torch==2.13.0; \

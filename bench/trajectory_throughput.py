@@ -64,6 +64,7 @@ def run_one(args: argparse.Namespace, actors: int, batch: int, work: Path) -> di
         backbone=args.backbone, prompts=str(args.prompts), prompt_field="question", output_dir=str(out),
         num_prompts=args.num_prompts, policy="threshold", gen_length=args.gen_length, block_size=args.block_size,
         shard_size=args.shard_size, batch_size=batch, actors=actors, cpus_per_actor=1, log_interval=60.0,
+        allow_eval_prompts=True,  # a throughput measurement: these trajectories never train anything
     )  # fmt: skip
     t0 = time.perf_counter()
     summary = generate(cfg)

@@ -2,11 +2,18 @@
 
 Commands (from the repository root, venv active)::
 
-    # local: starts a fresh Ray cluster on this machine (CPU replicas, or one per GPU)
+    # local: starts a fresh Ray cluster on this machine (CPU replicas, or one per GPU); GSM8K *train*
+    # (the default --prompt-split) from the Hub or the local HF cache
     python ray_jobs/generate_trajectories.py --backbone tiny-llada \\
-        --prompts ../shared/benchmarks/gsm8k_test.jsonl --prompt-field question --num-prompts 64 \\
+        --prompts openai/gsm8k --prompt-config main --prompt-field question --num-prompts 64 \\
         --policy original --gen-length 32 --block-size 8 --shard-size 16 --batch-size 8 \\
         --output-dir runs/traj-tiny
+
+    # a smoke test on the pinned GSM8K *test* copy: evaluation problems, so the flag is required
+    # (trajectories from it must not train an adapter that is evaluated on GSM8K)
+    python ray_jobs/generate_trajectories.py --backbone tiny-llada \\
+        --prompts ../shared/benchmarks/gsm8k_test.jsonl --allow-eval-prompts --num-prompts 64 \\
+        --gen-length 32 --block-size 8 --shard-size 16 --output-dir runs/traj-smoke
 
     # a cluster: start the head (and workers with `ray start --address <head>:6379`), then submit.
     # Paths are read on the cluster: give an absolute --output-dir (the job runs in a temporary copy of
@@ -21,9 +28,18 @@ Commands (from the repository root, venv active)::
         --shard-size 256 --batch-size 16 --output-dir /data/traj/llada-gsm8k-train
     ray job logs --follow <submission id>      # progress lines: prompts done / total, traj/s, ETA
 
+    # the paper recipes (3,500 GSM8K-train prompts, LLaDA-8B / Dream-7B): flags override the YAML
+    python ray_jobs/generate_trajectories.py --config configs/gen_llada_8b.yaml --output-dir /data/traj/llada-8b
+
     # TDLM teacher (policy tdlm) with a trained adapter
     python ray_jobs/generate_trajectories.py --backbone tiny-llada --adapter runs/adapter \\
-        --policy tdlm --prompts ../shared/benchmarks/gsm8k_test.jsonl --output-dir runs/traj-tdlm
+        --policy tdlm --prompts openai/gsm8k --prompt-config main --output-dir runs/traj-tdlm
+
+Teacher prompts must not be evaluation problems: the default split is ``train``, and a source that
+is (by name) or contains (by normalised-text hash) problems the evaluator scores - GSM8K test,
+MATH-500, MBPP test, the arith held-out split - is refused unless ``--allow-eval-prompts`` is given
+(tdlm/contamination.py). manifest.json records the prompt source, split, one hash per prompt and
+the overlap found; the training preflight checks the same hashes.
 
 Rerunning the same command resumes: finished shards are verified (sha256 in manifest.json) and
 skipped; changed settings are refused. Without ``--address`` the script uses ``RAY_ADDRESS`` (set by
@@ -38,6 +54,7 @@ import sys
 
 import datasets
 
+from tdlm.config import from_dict, load_yaml
 from tdlm.decoding import POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.generation import GenerationConfig, generate
@@ -56,21 +73,34 @@ def parse_args(argv: list[str] | None = None) -> GenerationConfig:
     d = GenerationConfig  # defaults live in the dataclass only
     p = argparse.ArgumentParser(
         description="Decode every prompt once with a frozen backbone on Ray replicas and write "
-        "trajectory shards (shard-NNNNN.parquet) + manifest.json.",
+        "trajectory shards (shard-NNNNN.parquet) + manifest.json. Prompts that are evaluation problems "
+        "(GSM8K test, MATH-500, MBPP test, arith held-out) are refused unless --allow-eval-prompts.",
         formatter_class=_Help,
     )
+    p.add_argument("--config", default=None,
+                   help="YAML of GenerationConfig fields (configs/gen_llada_8b.yaml, configs/gen_dream_7b.yaml); "
+                   "flags given on the command line override it")  # fmt: skip
     g = p.add_argument_group("model")
-    g.add_argument("--backbone", required=True, help="preset (tiny-llada, tiny-dream) or checkpoint folder")
+    g.add_argument("--backbone", default=None,
+                   help="preset (tiny-llada, tiny-dream) or checkpoint folder (required, here or in --config)")
     g.add_argument("--adapter", default=None, help="TDLM adapter folder (TDLM.save_adapter); required by --policy tdlm")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: the checkpoint's torch_dtype)")  # fmt: skip
     g = p.add_argument_group("prompts")
-    g.add_argument("--prompts", required=True,
-                   help="local .jsonl/.json/.parquet file, or a Hugging Face dataset name")  # fmt: skip
+    g.add_argument("--prompts", default=None,
+                   help="local .jsonl/.json/.parquet file, or a Hugging Face dataset name (required, here or in "
+                   "--config)")  # fmt: skip
     g.add_argument("--prompt-field", default=d.prompt_field, help="field / column holding the prompt text")
     g.add_argument("--prompt-config", default=None, help="dataset config name (Hugging Face datasets)")
-    g.add_argument("--prompt-split", default=d.prompt_split, help="dataset split (Hugging Face datasets)")
+    g.add_argument("--prompt-split", default=d.prompt_split,
+                   help=f"dataset split (Hugging Face datasets; ignored for local files). The default, "
+                   f"{d.prompt_split!r}, keeps teacher prompts out of the splits the evaluator scores")  # fmt: skip
     g.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    g.add_argument("--allow-eval-prompts", action="store_true",
+                   help="allow prompts that are evaluation problems (GSM8K test, MATH-500, MBPP test, arith "
+                   "held-out; matched by source name and by hash of the whitespace-normalised text). "
+                   "Without it such a source is refused; trajectories made with it must not train an adapter "
+                   "that is evaluated on those tasks")  # fmt: skip
     g.add_argument("--no-chat", dest="chat", action="store_false",
                    help="feed raw prompt text instead of the tokenizer's chat template")  # fmt: skip
     g = p.add_argument_group("decoding (tdlm.decode)")
@@ -83,7 +113,8 @@ def parse_args(argv: list[str] | None = None) -> GenerationConfig:
     g.add_argument("--block-size", type=int, default=DecodeConfig.block_size, help="semi-autoregressive block size")
     g.add_argument("--stop-at-eos", action="store_true", help="stop a row once EOS is committed (paper: off)")
     g = p.add_argument_group("output")
-    g.add_argument("--output-dir", required=True, help="shards + manifest.json (absolute under ray job submit)")
+    g.add_argument("--output-dir", default=None,
+                   help="shards + manifest.json (absolute under ray job submit; required, here or in --config)")
     g.add_argument("--shard-size", type=int, default=d.shard_size, help="prompts per shard; shard i = [i*S, (i+1)*S)")
     g = p.add_argument_group("cluster (may change when resuming)")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per decode call in a replica")
@@ -99,14 +130,28 @@ def parse_args(argv: list[str] | None = None) -> GenerationConfig:
     g.add_argument("--max-shard-attempts", type=int, default=d.max_shard_attempts,
                    help="driver-level attempts per shard once Ray's retries are spent")  # fmt: skip
     g.add_argument("--log-interval", type=float, default=d.log_interval, help="seconds between progress lines")
-    return GenerationConfig(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    raw: dict = {}
+    if args.config:
+        raw = load_yaml(args.config)
+        # Only flags actually given override the file: parse again with every default suppressed.
+        for action in p._actions:
+            action.default = argparse.SUPPRESS
+        raw.update({k: v for k, v in vars(p.parse_args(argv)).items() if k != "config"})
+    else:
+        raw = {k: v for k, v in vars(args).items() if k != "config"}
+    missing = [f"--{k.replace('_', '-')}" for k in ("backbone", "prompts", "output_dir") if raw.get(k) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (as flags or as fields of --config)")
+    return from_dict(GenerationConfig, raw, args.config or "arguments")
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
     datasets.disable_progress_bars()  # one bar per shard write would drown the progress lines
     try:
-        summary = generate(parse_args(argv))
+        cfg = parse_args(argv)
+        summary = generate(cfg)
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ class PromptSource:
     source: str  # local .jsonl/.json/.parquet path, or a Hugging Face dataset name
     field: str = "question"  # column holding the prompt text
     config: str | None = None  # dataset config name (Hugging Face datasets only)
-    split: str = "test"  # dataset split (Hugging Face datasets only)
+    split: str = "train"  # dataset split (Hugging Face datasets only); teacher prompts: a train split
     limit: int | None = None
 
     def is_local(self) -> bool:

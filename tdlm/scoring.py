@@ -21,8 +21,12 @@ main interpreter, and a SIGALRM handler cannot interrupt a long C-level SymPy ca
   Code samples run in :mod:`tdlm.sandbox`, which is thread-safe, directly from the calling thread.
 
 MBPP: :func:`extract_code` takes the first fenced ```` ```python ```` block, else the first ```` ``` ```` block,
-else the raw text (an unterminated fence runs to the end: generations are cut at the token budget), then
-``test_imports`` + code + ``test_list`` run as one program; pass@1 means it exits 0.
+else the raw text (an unterminated fence runs to the end: generations are cut at the token budget). Then
+``test_imports`` + code run as ``main.py`` and each assert of ``test_list`` runs after it, compiled on its own, in the
+same namespace (:func:`tdlm.sandbox.run_python` with ``checks``); pass@1 means every assert ran and passed and the
+harness reached its end: exit status 0 *and* the run's secret completion token came back, so a sample that exits
+early with status 0 (``sys.exit(0)``, ``os._exit(0)``, ``raise SystemExit``, an exiting ``excepthook`` / ``atexit``
+hook) or kills its parent fails, as in the anchors' harnesses (human-eval counts these as failed / timed out).
 """
 
 from __future__ import annotations
@@ -146,19 +150,30 @@ def extract_code(text: str) -> str:
 
 
 def build_program(code: str, tests: Sequence[str], test_imports: Sequence[str] = ()) -> str:
-    """``test_imports`` + ``code`` + ``tests``: the MBPP harness as one script (exit 0 iff all asserts pass)."""
+    """``test_imports`` + ``code`` + ``tests`` as one script: the plain MBPP harness, for reading and reproducing a
+    result outside the sandbox. Scoring does not run this text (an early exit would pass it); it runs
+    :func:`build_setup` and then each test under the sandbox's harness (:func:`score_code`)."""
     parts = ["\n".join(test_imports), code, "\n".join(tests)]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def build_setup(code: str, test_imports: Sequence[str] = ()) -> str:
+    """``test_imports`` + ``code``: the ``main.py`` that runs before the tests."""
+    parts = ["\n".join(test_imports), code]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def score_code(
     completion: str, tests: Sequence[str], test_imports: Sequence[str] = (), limits: SandboxLimits | None = None
 ) -> Score:
-    """Extract the code from ``completion`` and run it with the asserts in the sandbox. Thread-safe."""
+    """Extract the code from ``completion`` and run it, then each assert, in the sandbox. Thread-safe.
+
+    Correct only if every assert ran and passed and the harness reached its end (``checks_completed``).
+    """
     if not tests:
         raise TDLMError("score_code: tests is empty, expected at least one assert")
     code = extract_code(completion)
-    result = run_python(build_program(code, tests, test_imports), limits)
+    result = run_python(build_setup(code, test_imports), limits, checks=list(tests))
     err = result.stderr.strip().splitlines()
     return Score(result.passed, result.status, code, result.seconds, err[-1] if err else "", result)
 

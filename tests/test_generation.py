@@ -29,13 +29,13 @@ import tdlm
 from tdlm.decoding import decode
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardStore, ShardTask, ShardWorker, WorkerSpec, generate
+from tdlm.generation.driver import prepare
 from tdlm.generation.store import sha256_of, shard_name
 from tdlm.generation.worker import (
     BARRIER_ENV,
     CRASH_ENV,
     KILL_ENV,
     FaultInjection,
-    backbone_fingerprint,
 )
 from tdlm.prompts import PromptSource, load_prompts
 from tdlm.tokenizer import encode_prompts, load_tokenizer
@@ -74,11 +74,10 @@ def make_cfg(out: Path, prompts: Path, **kw) -> GenerationConfig:
 
 
 def build_serial(cfg: GenerationConfig) -> None:
-    """A finished output dir without Ray: the same store + replica code, one shard after another."""
-    prompts = load_prompts(cfg.prompt_source())
-    identity = cfg.identity(prompts, backbone_fingerprint(cfg.backbone), None)
+    """A finished output dir without Ray: the same store (driver step 1: prepare) + replica code, one
+    shard after another."""
     worker = ShardWorker(WorkerSpec(cfg.backbone, cfg.decode_config().to_dict(), cfg.batch_size))
-    with ShardStore(cfg.output_dir, prompts, cfg.shard_size, identity) as store:
+    with prepare(cfg) as store:
         todo = store.open()
         store.check_actor_identity(worker.info())
         for i in todo:

@@ -68,7 +68,10 @@ def test_isolated_interpreter_and_fresh_cwd():
     )
     flags, cwd, listing = r.stdout.splitlines()
     assert flags == "1 1" and listing == "['main.py']"
-    assert not os.path.exists(cwd)  # the temp dir is gone afterwards
+    if r.filesystem_isolated:
+        assert cwd == "/tmp"  # the private /tmp, a tmpfs of its own
+    else:
+        assert not os.path.exists(cwd)  # the temp dir is gone afterwards
 
 
 def test_env_is_not_inherited(monkeypatch):
@@ -216,6 +219,32 @@ def test_concurrent_runs_from_threads():
 
 
 def test_limits_are_validated():
-    for kw in ({"timeout_s": 0}, {"memory_bytes": 0}, {"cpu_s": -1}, {"max_processes": -2}, {"output_bytes": 0}):
+    bad = ({"timeout_s": 0}, {"memory_bytes": 0}, {"cpu_s": -1}, {"max_processes": -2}, {"output_bytes": 0},
+           {"tmpfs_bytes": 0}, {"tmpfs_inodes": -1})  # fmt: skip
+    for kw in bad:
         with pytest.raises(TDLMError, match="SandboxLimits"):
             SandboxLimits(**kw)
+
+
+def test_checks_run_in_order_in_the_program_namespace():
+    code = "import sys\nlog = []\ndef f(x):\n    log.append(x)\n    return x + 1\nprint(__name__, sys.argv)"
+    checks = ["assert f(1) == 2", "assert log == [1]\nassert f(2) == 3", "print('log', log)"]
+    r = run_python(code, FAST, checks=checks)
+    assert (r.status, r.returncode, r.checks_completed) == ("passed", 0, True), r
+    assert r.stdout == "__main__ ['main.py']\nlog [1, 2]\n"
+    r = run_python(code, FAST, checks=["assert f(1) == 2", "assert f(2) == 4", "print('not reached')"])
+    assert (r.status, r.returncode, r.checks_completed) == ("failed", 1, False)
+    assert "not reached" not in r.stdout and r.stderr.strip().endswith("AssertionError")
+    assert '"<test 2>", line 1' in r.stderr  # the failing assert is named in the traceback
+    r = run_python("def f(:\n  pass", FAST, checks=["assert True"])
+    assert r.status == "failed" and "SyntaxError" in r.stderr
+    # a check is a statement of its own: the program text cannot swallow it (unterminated string, open block)
+    r = run_python("x = '''", FAST, checks=["assert False"])
+    assert r.status == "failed" and "SyntaxError" in r.stderr
+    r = run_python("if False:", FAST, checks=["    pass"])
+    assert r.status == "failed"
+    with pytest.raises(TDLMError, match="checks"):
+        run_python("pass", FAST, checks=[])
+    r = run_python("pass", FAST)
+    assert r.passed and r.checks_completed is None  # without checks: exit status 0 is the pass, as before
+

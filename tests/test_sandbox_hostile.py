@@ -4,7 +4,11 @@
   ``return None`` fail, through :func:`tdlm.scoring.score_code` as the evaluator calls it;
 * hostile programs are contained, reported as a failure within their time limit, and leave the host as it was:
   infinite loops, a fork bomb, a memory bomb, writing / deleting outside the sandbox's temp dir, sockets to a
-  port of this test process, killing the parent, printing gigabytes.
+  port of this test process, killing the parent, printing gigabytes;
+* a wrong solution never passes by ending the run early with status 0 (sys.exit, os._exit, SystemExit, exiting
+  hooks, killing the parent) or by tampering (rebinding AssertionError, patching builtins, printing or writing
+  guessed tokens, scanning the process for the completion token); correct solutions that rebind builtins still
+  pass. (Filesystem / IPC / /proc isolation: test_sandbox_filesystem.py.)
 
 Two configurations: ``default`` is ``SandboxLimits()`` with this interpreter, what :class:`tdlm.scoring.Scorer`
 uses; ``nobody`` (root only) is an interpreter the sandbox can run as uid 65534 (a venv under a 0700 ``/root``
@@ -195,6 +199,7 @@ def test_memory_bomb_fails_and_we_are_unharmed(limits):
 
 
 def test_writing_and_deleting_outside_the_temp_dir(limits, tmp_path):
+    # tmp_path is under the host's /tmp: with filesystem isolation the sample does not even see it
     tmp_path.chmod(0o755)  # readable by all (like most host dirs); only write permission protects it
     sentinel = tmp_path / "sentinel.txt"
     sentinel.write_text("keep me")
@@ -220,7 +225,10 @@ raise SystemExit(1 if errors else 0)
     r = run_python(code, limits)
     after = sorted(str(p) for p in tmp_path.rglob("*"))
     untouched = after == before and sentinel.read_text() == "keep me" and sentinel.stat().st_mode == mode
-    if r.privileges_dropped:
+    if r.filesystem_isolated:
+        assert untouched, f"files changed outside the sandbox: {set(before) ^ set(after)}"
+        assert r.status == "failed" and r.stdout.strip() == str(["FileNotFoundError"] * 4)
+    elif r.privileges_dropped:
         assert untouched, f"files changed outside the sandbox: {set(before) ^ set(after)}"
         assert r.status == "failed" and "PermissionError" in r.stdout
     elif not untouched:
@@ -306,3 +314,120 @@ def test_signal_handlers_do_not_outlive_the_timeout(limits):
     r = run_python(code, limits)
     assert r.status == "timeout" and r.returncode == -signal.SIGKILL
     _ended_in_time(r, limits)
+
+
+# -- checks: a pass needs every assert to run under the harness (tdlm.sandbox._DRIVER) --------------------
+WRONG = "def f(x):\n    return 0\n"  # fails both tests below
+TESTS = ["assert f(1) == 2", "assert f(2) == 3"]
+# Each appends to WRONG; the old harness (exit status 0 = pass) passed the ones marked *.
+EARLY_EXITS = {
+    "sys.exit(0)*": "import sys\nsys.exit(0)",
+    "os._exit(0)*": "import os\nos._exit(0)",
+    "raise SystemExit*": "raise SystemExit",
+    "exit() builtin*": "exit()",
+    "SystemExit(0) from the function under test*": "def f(x):\n    raise SystemExit(0)",
+    "os._exit(0) from the function under test*": "def f(x):\n    import os\n    os._exit(0)",
+    "excepthook exits 0*": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)",
+    "atexit hook exits 0*": "import atexit, os\natexit.register(os._exit, 0)",
+    "thread calls os._exit(0)*": "import os, threading\nthreading.Thread(target=os._exit, args=(0,)).start()\n"
+    "import time\ntime.sleep(5)",
+    "kill the parent, then exit 0*": "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept OSError:\n    pass\n"
+    "os._exit(0)",
+    "kill the parent": "import os\nos.kill(os.getppid(), 9)",
+    "kill itself": "import os\nos.kill(os.getpid(), 9)",
+    "kill its process group": "import os\nos.killpg(0, 9)",
+    "SIGTERM to itself with SIG_DFL": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
+}
+TAMPERING = {
+    "AssertionError rebound in the module": "AssertionError = type('X', (Exception,), {})",
+    "builtins.AssertionError replaced": "import builtins\nbuiltins.AssertionError = type('X', (Exception,), {})",
+    "print / __import__ / exec / compile patched": "import builtins, os\nbuiltins.print = lambda *a, **k: None\n"
+    "builtins.__import__ = lambda *a, **k: None\nbuiltins.exec = lambda *a, **k: None\n"
+    "builtins.compile = lambda *a, **k: compile('pass', 'x', 'exec')\nos.write = lambda fd, b: len(b)",
+    "excepthook swallows errors*": "import os, sys\nsys.excepthook = lambda *a: None\n"
+    "sys.stderr = open(os.devnull, 'w')\nimport atexit\natexit.register(os._exit, 0)",
+    "stdout / stderr closed, then exit 0*": "import os\nos.close(1)\nos.close(2)\nos._exit(0)",
+    "guessed tokens printed and written to every fd*": "import os, secrets\nfor _ in range(50):\n"
+    "    t = secrets.token_hex(16)\n    print(t, flush=True)\n    for fd in range(3, 64):\n        try:\n"
+    "            os.write(fd, t.encode())\n        except OSError:\n            pass\nos._exit(0)",
+}
+
+
+@pytest.mark.parametrize("table", ["early_exits", "tampering"])
+def test_early_exits_and_tampering_do_not_pass(table, limits):
+    cases = EARLY_EXITS if table == "early_exits" else TAMPERING
+    with ThreadPoolExecutor(4) as pool:
+        results = pool.map(lambda tail: score_code(WRONG + tail, TESTS, (), limits), cases.values())
+        scores = dict(zip(cases, results, strict=True))
+    passed = {name: (s.status, s.sandbox.returncode) for name, s in scores.items() if s.correct}
+    assert not passed, f"hostile samples passed: {passed}"
+    for name, s in scores.items():
+        assert s.status in ("failed", "timeout") and s.sandbox.checks_completed is False, (name, s)
+        if s.sandbox.returncode == 0:  # the harness says why a clean exit is a failure
+            assert "no completion token" in s.detail, (name, s.detail)
+
+
+def test_scanning_for_the_token_finds_nothing(limits, monkeypatch):
+    # The sample looks everywhere it could (argv, env, cmdline, environ, every open fd, files in cwd and the
+    # private dirs, /proc of every visible process) and replays every 32-hex string it finds; the test fixes the
+    # token so it can check none of those places held it.
+    known = "5ca1ab1e" * 4
+    monkeypatch.setattr(sandbox, "secrets", type("S", (), {"token_hex": staticmethod(lambda n: known)}))
+    scan = r"""
+import os, re, sys
+found = set()
+def grab(data):
+    found.update(m.decode() for m in re.findall(rb"[0-9a-f]{32}", data))
+grab(" ".join(sys.argv).encode()); grab(repr(dict(os.environ)).encode())
+for pid in [p for p in os.listdir("/proc") if p.isdigit()] + ["self"]:
+    for leaf in ("cmdline", "environ"):
+        try:
+            grab(open(f"/proc/{pid}/{leaf}", "rb").read())
+        except OSError:
+            pass
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        continue
+    for fd in fds:
+        try:
+            with open(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                grab(f.read(1 << 20))
+        except OSError:
+            pass
+for d in (".", "/tmp", "/var/tmp", "/dev/shm"):
+    for root, _, files in os.walk(d):
+        for n in files:
+            try:
+                grab(open(os.path.join(root, n), "rb").read(1 << 20))
+            except OSError:
+                pass
+print(sorted(found), flush=True)
+for t in found:
+    for fd in range(3, 64):
+        try:
+            os.write(fd, t.encode())
+        except OSError:
+            pass
+os._exit(0)
+"""
+    s = score_code(WRONG + scan, TESTS, (), limits)
+    assert not s.correct and s.sandbox.checks_completed is False, s
+    assert known not in s.sandbox.stdout, "the sample found the completion token"
+    assert s.sandbox.stdout.startswith("["), s.sandbox  # the scan itself ran to the end
+
+
+def test_correct_solutions_that_rebind_builtins_still_pass(limits):
+    right = "def f(x):\n    return x + 1\n"
+    tails = (
+        "AssertionError = ValueError\nprint = lambda *a, **k: None\nmax = min",
+        "import builtins\nbuiltins.print = lambda *a, **k: None",
+        "if __name__ == '__main__':\n    print(f(1))",
+        "import sys\nsys.stdout = open('/dev/null', 'w')\nprint('hidden')",
+        "import atexit\natexit.register(print, 'bye')",
+        "import threading\nthreading.Thread(target=print, args=('thread',)).start()",
+    )
+    with ThreadPoolExecutor(4) as pool:
+        scores = list(pool.map(lambda tail: score_code(right + tail, TESTS, (), limits), tails))
+    for tail, s in zip(tails, scores, strict=True):
+        assert s.correct and s.sandbox.checks_completed, (tail, s)

@@ -196,7 +196,7 @@ def _target_function(p) -> str:
 
 def test_mbpp_reference_passes_and_wrong_solutions_fail(mbpp):
     probs = [mbpp[i] for i in range(0, len(mbpp), 13)][:20]  # 20 problems spread over the split
-    assert len(probs) == 20 and any(p.test_imports for p in probs) is not None
+    assert len(probs) == 20 and sum(bool(p.test_imports) for p in probs) >= 2  # some need test_imports
 
     def run(p):
         name = _target_function(p)
@@ -219,6 +219,11 @@ def test_mbpp_test_imports_are_prepended(mbpp):
     s = score(p, p.answer)
     assert s.correct, s.sandbox
     assert p.test_imports[0] in build_program(p.answer, p.tests, p.test_imports)
+    # Through the scorer itself: the asserts use a module only test_imports provides.
+    code, tests = "def area(r):\n    return math.pi * r * r", ["assert math.isclose(area(1.0), math.pi)"]
+    assert score_code(code, tests, ["import math"]).correct
+    without = score_code(code, tests)
+    assert not without.correct and "NameError" in without.detail, without
 
 
 def test_unknown_task_in_score(gsm):
@@ -226,3 +231,16 @@ def test_unknown_task_in_score(gsm):
 
     with pytest.raises(TDLMError, match="unknown 'nope'"):
         score(replace(gsm[0], task="nope"), "x")
+
+
+def test_mbpp_early_exit_with_status_0_is_not_a_pass(mbpp):
+    p = mbpp[0]
+    wrong = mbpp[1].answer  # another problem's solution: the asserts would fail
+    for tail in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
+        s = score(p, f"```python\n{wrong}\n{tail}\n```")
+        assert not s.correct and s.status == "failed" and s.sandbox.returncode == 0, (tail, s)
+        assert "no completion token" in s.detail and s.sandbox.checks_completed is False
+        # even the right solution fails when it exits before the asserts ran (as in human-eval's harness)
+        s = score(p, f"```python\n{p.answer}\n{tail}\n```")
+        assert not s.correct and s.sandbox.checks_completed is False
+    assert score(p, f"```python\n{p.answer}\n```").sandbox.checks_completed is True

@@ -35,7 +35,7 @@ def make_trajectories(folder: Path, backbone: str = "tiny-llada", n: int = 48, s
     prompts = [torch.randint(8, 100, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
                for _ in range(n)]
     res = decode(bb, prompts, policy="original", gen_length=16, block_size=8)
-    recs = [TrajectoryRecord.from_decode(r, f"toy:{i}", "", backbone, {"policy": "original"})
+    recs = [TrajectoryRecord.from_decode(r, f"toy:{i}", f"toy prompt {i}", backbone, {"policy": "original"})
             for i, r in enumerate(res)]
     per = n // shards
     for s in range(shards):
@@ -169,6 +169,22 @@ def test_preflight_accepts_the_tiny_config(traj_dir):
     ds = preflight(_run(traj_dir), load_ds_json(REPO / "ds_configs" / "zero3.json"), 2, on_gpu=False)
     assert ds["train_batch_size"] == 8 and ds["bf16"]["enabled"] is False
     assert ds["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_preflight_refuses_evaluation_problems_as_teacher_prompts(tmp_path):
+    gsm8k = [json.loads(line)["question"] for line in
+             (REPO.parent / "shared" / "benchmarks" / "gsm8k_test.jsonl").read_text().splitlines()[:3]]
+    traj = make_trajectories(tmp_path / "traj", n=8, shards=1)
+    from tdlm.trajectories import read_parquet
+
+    recs = read_parquet(traj / "shard-00000.parquet")
+    for r, q in zip(recs, gsm8k, strict=False):
+        r.prompt_text = q  # three teacher prompts are GSM8K test problems
+    write_parquet(recs, traj / "shard-00000.parquet")
+    z3 = load_ds_json(REPO / "ds_configs" / "zero3.json")
+    with pytest.raises(tdlm.TDLMError, match=r"3 of 8 teacher prompts are gsm8k test problems.*allow_eval_prompts"):
+        preflight(_run(traj), z3, 2, False)
+    preflight(_run(traj, "data.allow_eval_prompts=true"), z3, 2, False)
 
 
 def test_preflight_errors(tmp_path, traj_dir):

@@ -316,9 +316,34 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
 
 
 # -- 4: merge and score -------------------------------------------------------------------------------
+def _code_limits(cfg: EvalConfig):
+    from tdlm.sandbox import SandboxLimits
+
+    return SandboxLimits(timeout_s=cfg.code_timeout_s, cpu_s=cfg.code_cpu_s)
+
+
+def check_sandbox(cfg: EvalConfig, plans: list[Plan]) -> dict | None:
+    """For a job with code tasks: probe the sandbox once (:func:`tdlm.sandbox.isolation_support`) and warn up front,
+    naming each protection this machine does not grant. Returns the probe (recorded in the job's summary.json)."""
+    from tdlm.sandbox import isolation_support
+    from tdlm.scoring import CODE_TASKS
+
+    if not any(p.task.name in CODE_TASKS for p in plans):
+        return None
+    support = isolation_support(_code_limits(cfg))
+    notes = f" ({'; '.join(support['notes'])})" if support["notes"] else ""
+    if not support["works"]:
+        log.warning("sandbox: a trivial program does not run; every code sample will score as an error%s", notes)
+    elif support["missing"]:
+        log.warning("sandbox: code samples get less isolation than designed on this machine; missing: %s%s",
+                    "; ".join(support["missing"]), notes)  # fmt: skip
+    else:
+        log.info("sandbox: full isolation (network, PID, IPC, private /tmp + read-only filesystem, /proc, uid)")
+    return support
+
+
 def _score_all(cfg: EvalConfig, plans: list[Plan], merged: list[list[dict]]) -> list[list[dict]]:
     """Scored sample lists per run; unchanged generations keep their previous score."""
-    from tdlm.sandbox import SandboxLimits
     from tdlm.scoring import Scorer
 
     scored: list[list[dict | None]] = []
@@ -336,7 +361,7 @@ def _score_all(cfg: EvalConfig, plans: list[Plan], merged: list[list[dict]]) -> 
         scored.append(row)
     if todo:
         problems = {(k, i): plans[k].task.problems[i] for k, i in todo}
-        limits = SandboxLimits(timeout_s=cfg.code_timeout_s, cpu_s=cfg.code_cpu_s)
+        limits = _code_limits(cfg)
         with Scorer(cfg.score_workers, sandbox=limits) as scorer, _bar(len(todo), "score") as bar:
 
             def one(key: tuple[int, int]):
@@ -456,6 +481,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     computed = sum(len(j.problems) for j in jobs)
     log.info("%s: %d run(s), %d samples to decode, %d already done, %d worker(s)", out, len(plans), computed,
              skipped, W)  # fmt: skip
+    sandbox = check_sandbox(cfg, plans)  # before decoding: a weaker sandbox is announced up front
     if jobs:
         if W == 1:
             run_in_process(cfg, jobs)
@@ -486,7 +512,8 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     plots = plot_all(runs, out)
     _write_json(out / SUMMARY, {"group": group, "backbone": cfg.backbone, "backbone_id": bb_id,
                                 "output_dir": str(out), "workers": W, "config": cfg.to_dict(), "runs": runs,
-                                "table": "table.md", "plots": [p.name for p in plots]})  # fmt: skip
+                                "table": "table.md", "plots": [p.name for p in plots],
+                                **({"sandbox": sandbox} if sandbox is not None else {})})  # fmt: skip
     if changed:
         log_comparison(cfg, group, runs, table, plots)
     log.info("done in %.1f s: %d decoded, %d resumed; %s", time.monotonic() - t0, computed, skipped, out / "table.md")

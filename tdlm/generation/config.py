@@ -9,6 +9,9 @@ Settings split in two:
   may change between a run and its resume and are recorded per run. Batch size is a run setting
   because :func:`tdlm.decode` gives the same tokens batched or per sample (tested in
   ``tests/test_decoding.py`` and ``tests/test_generation.py``).
+
+``allow_eval_prompts`` is neither: it only permits evaluation problems among the prompts (refused by
+default, :mod:`tdlm.contamination`); what was found is written to ``manifest["contamination"]``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tdlm.contamination import check_prompt_source
 from tdlm.decoding import DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.prompts import Prompt, PromptSource, prompts_digest
@@ -31,9 +35,12 @@ class GenerationConfig:
     output_dir: str  # shards + manifest.json; absolute path under `ray job submit`
     prompt_field: str = "question"
     prompt_config: str | None = None  # Hugging Face dataset config
-    prompt_split: str = "test"  # Hugging Face dataset split
+    prompt_split: str = "train"  # Hugging Face dataset split; never an evaluation split by default
     num_prompts: int | None = None  # first N prompts of the source; None = all
     chat: bool = True  # wrap prompts in the tokenizer's chat template
+    # Generate from problems the evaluator scores (GSM8K test, MATH-500, MBPP test, arith held-out)?
+    # Refused unless set (tdlm.contamination); the manifest records what was found either way.
+    allow_eval_prompts: bool = False
     # decoding (tdlm.DecodeConfig)
     policy: str = DecodeConfig.policy
     threshold: float = DecodeConfig.threshold
@@ -85,6 +92,7 @@ class GenerationConfig:
             raise TDLMError("max_restarts and max_task_retries must be >= 0")
         if self.log_interval <= 0:
             raise TDLMError(f"log_interval must be > 0; got {self.log_interval}")
+        check_prompt_source(self.prompt_source(), self.allow_eval_prompts)  # by name; by content: the driver
         return self
 
     def identity(self, prompts: list[Prompt], backbone: str | None, adapter: str | None) -> dict:
@@ -114,7 +122,7 @@ class GenerationConfig:
 
     def run_settings(self) -> dict:
         names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
-                 "max_restarts", "max_task_retries", "max_shard_attempts")  # fmt: skip
+                 "max_restarts", "max_task_retries", "max_shard_attempts", "allow_eval_prompts")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def to_dict(self) -> dict:

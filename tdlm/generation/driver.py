@@ -2,7 +2,9 @@
 
 Recipe of :func:`generate`:
 
-1. validate the config, load the prompts, fingerprint backbone/adapter where the driver can see them;
+1. validate the config, load the prompts, refuse evaluation problems among them unless
+   ``allow_eval_prompts`` (:mod:`tdlm.contamination`: by source name, then by prompt hash),
+   fingerprint backbone/adapter where the driver can see them (:func:`prepare`);
 2. lock and check the output dir (:meth:`ShardStore.open`): refuse changed settings or bad files,
    adopt a complete shard written just before a kill, list the shards left to do (nothing left:
    return without starting Ray);
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tdlm.contamination import check_teacher_prompts
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
 from tdlm.generation.store import ShardStore
@@ -191,18 +194,32 @@ def _cause(e: Exception) -> BaseException:
     return getattr(e, "cause", None) or e
 
 
-def generate(cfg: GenerationConfig) -> GenerationSummary:
-    """Generate (or finish) the teacher trajectories of ``cfg`` in ``cfg.output_dir``; see the module docstring."""
-    t_start = time.monotonic()
+def prepare(cfg: GenerationConfig) -> ShardStore:
+    """Step 1 of the recipe: the checked job as an (unopened, unlocked) :class:`ShardStore`.
+
+    Raises TDLMError for a bad config and for evaluation problems among the prompts (unless
+    ``cfg.allow_eval_prompts``); the store writes the prompts' source, split and per-prompt hashes
+    and the contamination report into ``manifest.json``.
+    """
     cfg.validate()
     if os.environ.get(RAY_JOB_ENV) and not os.path.isabs(os.path.expanduser(cfg.output_dir)):
         raise TDLMError(
             f"--output-dir {cfg.output_dir!r} is relative, but a Ray job runs in a temporary copy of its "
             f"working dir (the shards would be lost with it); give an absolute path"
         )
-    prompts = load_prompts(cfg.prompt_source())
+    src = cfg.prompt_source()
+    prompts = load_prompts(src)
+    provenance = check_teacher_prompts(src, [p.text for p in prompts], cfg.allow_eval_prompts)
     fp_backbone, fp_adapter = _fingerprints(cfg)
-    store = ShardStore(cfg.output_dir, prompts, cfg.shard_size, cfg.identity(prompts, fp_backbone, fp_adapter))
+    identity = cfg.identity(prompts, fp_backbone, fp_adapter)
+    return ShardStore(cfg.output_dir, prompts, cfg.shard_size, identity, provenance=provenance)
+
+
+def generate(cfg: GenerationConfig) -> GenerationSummary:
+    """Generate (or finish) the teacher trajectories of ``cfg`` in ``cfg.output_dir``; see the module docstring."""
+    t_start = time.monotonic()
+    store = prepare(cfg)
+    prompts = store.prompts
     summary = GenerationSummary(str(store.root), len(prompts), store.num_shards)
     with store:
         todo = store.open()

@@ -3,7 +3,9 @@
 Layout::
 
     <output_dir>/
-        manifest.json          settings, backbone id, per-shard sha256 / rows, counts, NFE statistics
+        manifest.json          settings, backbone id, per-shard sha256 / rows, counts, NFE statistics,
+                               prompts (source, split, one hash per prompt) and contamination (overlap
+                               with the evaluation problems; tdlm.contamination)
         shard-00000.parquet    prompts [0, S)        (tdlm.trajectories schema, one row per prompt)
         shard-00001.parquet    prompts [S, 2S)
         ...
@@ -32,6 +34,8 @@ any other ``*.parquet``                     TDLMError (readers glob ``*.parquet`
 stale ``*.tmp-*``                           warning; removed (the lock proves no writer is alive)
 any other file or folder                    warning; left alone
 shard files but no manifest.json            TDLMError (not a tdlm generation dir)
+manifest without ``prompts`` /              added (older tdlm); a changed ``contamination`` report
+``contamination`` (or with other ones)      (e.g. another ``allow_eval_prompts``) is replaced
 ==========================================  =========================================================
 """
 
@@ -93,11 +97,16 @@ def atomic_write_json(path: Path, obj: dict) -> None:
 class ShardStore:
     """Shard bookkeeping for one output dir; use as a context manager (holds the dir's lock)."""
 
-    def __init__(self, root: str | os.PathLike, prompts: list[Prompt], shard_size: int, identity: dict) -> None:
+    def __init__(self, root: str | os.PathLike, prompts: list[Prompt], shard_size: int, identity: dict,
+                 provenance: dict | None = None) -> None:  # fmt: skip
         self.root = Path(root).expanduser()
         self.prompts = prompts
         self.shard_size = shard_size
         self.identity = dict(identity)
+        # {"prompts": source/split/per-prompt hashes, "contamination": report} from
+        # tdlm.contamination.check_teacher_prompts: top-level manifest keys, not settings (not compared on
+        # resume: the prompts themselves are, via prompts_sha256)
+        self.provenance = dict(provenance or {})
         self.num_shards = math.ceil(len(prompts) / shard_size)
         self.manifest: dict | None = None
         self.adopted = 0  # unlisted but verified shards taken over by open()
@@ -152,6 +161,7 @@ class ShardStore:
         """Check the dir against this job (policy table in the module docstring); shards left to do."""
         assert self._lock_fd is not None, "use ShardStore as a context manager (it must hold the lock)"
         mpath = self.root / MANIFEST
+        stale: dict = {}
         if mpath.exists():
             try:
                 self.manifest = json.loads(mpath.read_text(encoding="utf-8"))
@@ -165,6 +175,8 @@ class ShardStore:
                     f"this tdlm writes {FORMAT_VERSION}"
                 )
             self._check_settings(self.identity)
+            stale = {k: v for k, v in self.provenance.items() if self.manifest.get(k) != v}
+            self.manifest.update(stale)  # an older manifest gains them; a changed report is updated
         shard_files: dict[int, Path] = {}
         for entry in sorted(self.root.iterdir()):
             name = entry.name
@@ -215,7 +227,7 @@ class ShardStore:
             self.manifest["shards"][path.name] = self._entry(index, path, records, None, {}, attempts=None)
             log.info("%s: complete shard written just before the last run stopped; verified and adopted", path)
             self.adopted += 1
-        if self.adopted or len(listed) != len(self.manifest["shards"]):
+        if stale or self.adopted or len(listed) != len(self.manifest["shards"]):
             self._write()
         return self.todo()
 
@@ -288,6 +300,7 @@ class ShardStore:
                 "num_shards": self.num_shards,
                 "counts": {},
                 "nfe": None,
+                **self.provenance,
                 "shards": {},
                 "runs": [],
             }

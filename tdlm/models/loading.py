@@ -123,10 +123,13 @@ def _resolve_folder(name_or_path: str) -> Path:
             return Path(snapshot_download(name_or_path, local_files_only=True))
         except Exception:
             pass
+    hub_like = "/" in name_or_path and not name_or_path.startswith((".", "/"))
+    fetch = (f"`hf download {name_or_path}` (into the HF cache) or `hf download {name_or_path} --local-dir <dir>`"
+             if hub_like else "`hf download <repo> --local-dir <dir>` and pass the folder")
     raise TDLMError(
-        f"unknown backbone {name_or_path!r}: not a preset ({', '.join([*PRESETS, *SHIPPED])}), not a local folder, "
-        f"and not in the local Hugging Face cache (tdlm never downloads; fetch it with "
-        f"`huggingface-cli download <repo> --local-dir <dir>` and pass the folder)"
+        f"unknown backbone {name_or_path!r}: expected a preset ({', '.join([*PRESETS, *SHIPPED])}), a local "
+        f"checkpoint folder (config.json + *.safetensors), or a Hub id in the local Hugging Face cache; tdlm never "
+        f"downloads: fetch it with {fetch}"
     )
 
 

@@ -14,6 +14,9 @@ class ModelConfig:
     history: str = "full"  # full / last:k / current (one parallel pass) or latent:M (states in order)
     perceiver_heads: int | None = None  # latent:M only: Perceiver heads (None = heads)
     perceiver_head_dim: int | None = None  # latent:M only: Perceiver head width (None = head_dim)
+    # Backbones with a logit shift (Dream): correct the hidden state that predicts a masked token
+    # ("prediction") or the one at its own position ("input"); recorded in the adapter. No effect on LLaDA.
+    alignment: str = "prediction"
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU; or float32 / bfloat16
 
 
@@ -23,6 +26,9 @@ class DataConfig:
     states: int = 8  # K sampled inputs per trajectory (Section 2.3)
     seed: int = 0  # data order and state sampling
     allow_foreign_backbone: bool = False  # accept shards whose backbone_id differs from the backbone
+    # Train on teacher prompts that are evaluation problems (GSM8K test, MATH-500, MBPP test, arith
+    # held-out)? Refused by the preflight unless set (tdlm.contamination); the overlap is logged either way.
+    allow_eval_prompts: bool = False
 
 
 @dataclass

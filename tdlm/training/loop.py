@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tdlm.config import to_dict
+from tdlm.contamination import check_trajectory_prompts
 from tdlm.data import TrajectoryStream
 from tdlm.errors import TDLMError
 from tdlm.model import TDLM, TemporalConfig
@@ -97,20 +98,32 @@ def validate_run(run: RunConfig) -> None:
     HistoryPolicy.parse(run.model.history)
 
 
-def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool) -> dict:
+def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, source: str = "run config") -> dict:
     """Every check that can fail on user input, before any process group or weight exists.
 
     Resolves the DS config against the run config, builds the backbone on the meta device to check
-    the layer allocation, and reads + validates every trajectory shard against the backbone.
+    the layer allocation, reads + validates every trajectory shard against the backbone, and refuses
+    teacher prompts that are evaluation problems unless ``data.allow_eval_prompts``.
     """
     from tdlm.models.loading import load_backbone_meta
 
     validate_run(run)
     ds_cfg = resolve_ds_config(ds_raw, run, world_size, on_gpu)
-    meta = load_backbone_meta(run.model.backbone)
-    temporal_config(run).resolved(meta)
+    m = run.model
+    try:
+        meta = load_backbone_meta(m.backbone)
+    except TDLMError as e:
+        raise TDLMError(f"{source}: model.backbone={m.backbone!r}: {e}") from e
+    try:
+        temporal_config(run).resolved(meta)
+    except TDLMError as e:
+        raise TDLMError(
+            f"{source}: model.layers={m.layers!r}, model.heads={m.heads!r}, model.head_dim={m.head_dim!r} do not fit "
+            f"{meta.family} with {meta.num_layers} layers of width {meta.hidden_size}: {e}"
+        ) from e
     TrajectoryStream(run.data.trajectories, meta, run.data.states, run.train.micro_batch_size, world_size, 0,
                      run.data.seed, run.data.allow_foreign_backbone)
+    check_trajectory_prompts(run.data.trajectories, run.data.allow_eval_prompts)
     return ds_cfg
 
 
@@ -118,7 +131,8 @@ def temporal_config(run: RunConfig) -> TemporalConfig:
     """The adapter the run trains (``model.*`` of the run config)."""
     m = run.model
     return TemporalConfig(layers=m.layers, heads=m.heads, head_dim=m.head_dim, history=m.history,
-                          perceiver_heads=m.perceiver_heads, perceiver_head_dim=m.perceiver_head_dim)
+                          perceiver_heads=m.perceiver_heads, perceiver_head_dim=m.perceiver_head_dim,
+                          alignment=m.alignment)
 
 
 def frozen_fingerprint(model: TDLM) -> str:
@@ -135,7 +149,7 @@ def frozen_fingerprint(model: TDLM) -> str:
     return h.hexdigest()
 
 
-def setup(run: RunConfig, ds_raw: dict, resume: bool = False) -> Session:
+def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run config") -> Session:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -144,7 +158,7 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False) -> Session:
 
     acc = get_accelerator()
     on_gpu = acc.device_name() == "cuda"
-    preflight(run, ds_raw, int(os.environ.get("WORLD_SIZE", "1")), on_gpu)
+    preflight(run, ds_raw, int(os.environ.get("WORLD_SIZE", "1")), on_gpu, source)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -308,9 +322,10 @@ def verify_export(sess: Session, adapter_dir: Path) -> float | None:
     return float((out.float() - ref.float()).abs().max())
 
 
-def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = True) -> dict:
+def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = True,
+          source: str = "run config") -> dict:
     """Run the whole job; returns the summary (rank 0; other ranks return an empty dict)."""
-    sess = setup(run, ds_raw, resume)
+    sess = setup(run, ds_raw, resume, source)
     total = run.train.max_steps
     fingerprint = frozen_fingerprint(sess.model) if run.train.verify_frozen else None
     bar = None

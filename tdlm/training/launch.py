@@ -1,0 +1,53 @@
+"""The command line of ``launcher/train.py``: arguments -> (run config, DS JSON) -> :func:`tdlm.training.train`.
+
+Kept here rather than in the launcher so tests can resolve the README's commands to the recipe they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from tdlm.config import apply_overrides, from_dict, load_yaml
+from tdlm.training.config import RunConfig
+from tdlm.training.ds_config import load_ds_json
+
+
+@dataclass
+class Launch:
+    run: RunConfig
+    ds_raw: dict
+    ds_path: str
+    source: str  # the run config file (or "defaults"), named in error messages
+    resume: bool
+
+
+def parser(description: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ds", required=True,
+                    help="DeepSpeed JSON (ds_configs/zero3.json, zero2.json, zero3_offload.json)")
+    ap.add_argument("--config", default=None,
+                    help="run config YAML (configs/llada_8b.yaml, configs/dream_7b.yaml, configs/tiny.yaml); "
+                         "fields of tdlm.training.config; default: the embedded tiny-arith default")
+    ap.add_argument("--output-dir", default=None,
+                    help="run folder (checkpoints/, adapter/, metrics.jsonl, summary.json)")
+    ap.add_argument("--max-steps", type=int, default=None, help="optimizer updates (sets train.max_steps)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*",
+                    help="section.key=value overrides of the run config (model.layers=all, train.max_steps=100)")
+    return ap
+
+
+def parse_launch(argv: list[str] | None = None, description: str | None = None) -> Launch:
+    """Resolve a launcher command line; raises TDLMError on bad files or fields (nothing is started)."""
+    args = parser(description).parse_args(argv)
+    raw = load_yaml(args.config)
+    extra = list(args.overrides)
+    if args.output_dir:
+        extra.append(f"output_dir={args.output_dir}")
+    if args.max_steps is not None:
+        extra.append(f"train.max_steps={args.max_steps}")
+    source = args.config or "defaults"
+    run = from_dict(RunConfig, apply_overrides(raw, extra), source)
+    return Launch(run=run, ds_raw=load_ds_json(args.ds), ds_path=args.ds, source=source, resume=args.resume)
