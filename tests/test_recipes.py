@@ -119,8 +119,10 @@ def test_bad_recipe_input_is_one_line_naming_file_and_field(tmp_path):
     z3 = str(REPO / "ds_configs/zero3.json")
     cfg = str(REPO / "configs/llada_8b.yaml")
     cases = [
-        (["model.backbone=/data/no-such-LLaDA"], r"configs/llada_8b.yaml: model.backbone='/data/no-such-LLaDA': .*hf download"),
-        (["model.backbone=tiny-llada", "model.layers=dispersed:16"], r"configs/llada_8b.yaml: model.layers='dispersed:16'.* 4 layers"),
+        (["model.backbone=/data/no-such-LLaDA"],
+         r"configs/llada_8b.yaml: model.backbone='/data/no-such-LLaDA': .*hf download"),
+        (["model.backbone=tiny-llada", "model.layers=dispersed:16"],
+         r"configs/llada_8b.yaml: model.layers='dispersed:16'.* 4 layers"),
         (["model.backbone=tiny-llada", "model.layers=all", "model.head_dim=7"], r"model.head_dim=7 .*even"),
     ]
     for extra, pattern in cases:
