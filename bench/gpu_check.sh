@@ -29,7 +29,9 @@ if [[ "${1:-}" != "--dry-run" ]] && compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-check-site \
         .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu-check-site"
 fi
-PY="${PYTHON:-python3}"
-[[ -x .venv/bin/python && "${1:-}" == "--dry-run" ]] && PY=.venv/bin/python
+# $PYTHON if set; a dry run here prefers the project venv; the GPU machine's python3 holds torch.
+PY="${PYTHON:-}"
+[[ -z "$PY" && -x .venv/bin/python && "${1:-}" == "--dry-run" ]] && PY=.venv/bin/python
+PY="${PY:-python3}"
 export PYTHONUNBUFFERED=1
 exec "$PY" bench/gpu_check.py "$@"

@@ -31,12 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     from tdlm.demo import ensure_toy_trajectories
     from tdlm.errors import TDLMError
     from tdlm.training import train
-    from tdlm.training.launch import parse_launch
+    from tdlm.training.config import DataConfig
+    from tdlm.training.launch import parse_launch, preflight_before_work
+    from tdlm.training.run_dir import stop_with_launcher
 
+    stop_with_launcher()  # if the deepspeed / torchrun process above this rank dies, so does this rank
     try:
         launch = parse_launch(argv, __doc__)
-        ensure_toy_trajectories(launch.run.data.trajectories, launch.run.model.backbone)
-        train(launch.run, launch.ds_raw, resume=launch.resume, source=launch.source)
+        preflight_before_work(launch)  # every field, the DS JSON and the backbone, before any trajectory is made
+        if launch.run.data.trajectories == DataConfig.trajectories:  # only the embedded default's own folder:
+            ensure_toy_trajectories(launch.run.data.trajectories, launch.run.model.backbone)  # a typo is an error
+        train(launch.run, launch.ds_raw, resume=launch.resume, source=launch.source, ds_source=launch.ds_path,
+              allow_recipe_change=launch.allow_recipe_change)
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -7,6 +7,7 @@ fallbacks that swallow typos). Derived values are computed in Python, never in Y
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -61,6 +62,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads 3e-3 (no dot) as a string: accept numeric strings for float fields.
+            try:
+                number = float(value.strip())
+            except ValueError:
+                number = None
+            if number is not None and math.isfinite(number):
+                return number
         raise TDLMError(f"{where}: expected a number; got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -100,6 +100,7 @@ def ensure_toy_trajectories(trajectories: str | Path, backbone: str, n: int = 51
             time.sleep(1.0)
         return
     from tdlm.decoding import decode
+    from tdlm.generation.store import write_manifest
     from tdlm.models.loading import load_backbone
     from tdlm.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
     from tdlm.toydata import split
@@ -121,6 +122,8 @@ def ensure_toy_trajectories(trajectories: str | Path, backbone: str, n: int = 51
         recs = [TrajectoryRecord.from_decode(r, p.id, p.question, bb.backbone_id, settings)
                 for r, p in zip(res, problems[s : s + per], strict=True)]
         write_parquet(recs, tmp / f"shard-{s // per:05d}.parquet")
+    write_manifest(tmp, bb.backbone_id, {"decode": settings, "prompts": f"toydata:prompts[:{n}]",
+                                         "dtype": "float32", "backbone": backbone})
     os.replace(tmp, folder)
 
 

@@ -48,3 +48,50 @@ def adapter_fingerprint(directory: str) -> str:
             raise TDLMError(f"{directory}: missing {name} (expected a folder written by TDLM.save_adapter)")
         sha256_file(p, h)
     return f"sha256:{h.hexdigest()}"
+
+
+# -- weight fingerprints (adapter <-> backbone identity) ------------------------------------------
+WEIGHT_FP_VERSION = "w1"
+
+
+def _sample(t) -> bytes:
+    """The first row of a >= 2-D tensor, the first 64 values of a 1-D one, as float32 bytes."""
+    import torch
+
+    t = t.detach()
+    part = t[0] if t.dim() >= 2 else t[:64]
+    return part.to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+
+
+def _weights_digest(items) -> str:
+    h = hashlib.sha256(WEIGHT_FP_VERSION.encode())
+    for name, shape, sample in items:
+        h.update(f"{name}:{list(shape)}:".encode())
+        h.update(sample)
+    return f"{WEIGHT_FP_VERSION}:{h.hexdigest()}"
+
+
+def weight_fingerprint_files(files: list[Path], keys: set[str]) -> str:
+    """Fingerprint of a checkpoint's weights read from its safetensors files (a slice of each tensor).
+
+    Two checkpoints of one architecture (LLaDA-8B Base vs Instruct) share config and file sizes; the first
+    row of every tensor tells them apart, and reading it costs no full load.
+    """
+    from safetensors import safe_open
+
+    items = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key not in keys:
+                    continue
+                sl = fh.get_slice(key)
+                shape = tuple(sl.get_shape())
+                items.append((key, shape, _sample(sl[0:1] if len(shape) >= 2 else sl[0:64])))
+    return _weights_digest(sorted(items))
+
+
+def weight_fingerprint_module(module) -> str:
+    """The same fingerprint computed from a module's (unpartitioned) parameters."""
+    items = [(name, tuple(p.shape), _sample(p)) for name, p in module.state_dict().items()]
+    return _weights_digest(sorted(items))

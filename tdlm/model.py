@@ -429,6 +429,7 @@ class TDLM(nn.Module):
                 "hidden_size": bb.hidden_size,
                 "num_layers": bb.num_layers,
                 "vocab_size": bb.vocab_size,
+                "fingerprint": backbone_identity(bb),
             },
             "layers": list(self.layer_ids),
             "heads": self.config.heads,
@@ -462,9 +463,18 @@ class TDLM(nn.Module):
 
     @classmethod
     def from_adapter(
-        cls, backbone: Backbone, directory: str | os.PathLike, history: str | None = None
+        cls,
+        backbone: Backbone,
+        directory: str | os.PathLike,
+        history: str | None = None,
+        allow_other_backbone: bool = False,
     ) -> TDLM:
-        """Attach a saved adapter to ``backbone``; dims are checked before any tensor is loaded."""
+        """Attach a saved adapter to ``backbone``; dims are checked before any tensor is loaded.
+
+        The adapter records the backbone it was trained on (family, vocabulary, weight fingerprint);
+        another backbone of the same shape (a Base adapter on an Instruct model) is refused unless
+        ``allow_other_backbone``.
+        """
         d = Path(directory)
         cfg_path, w_path = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
         for p in (cfg_path, w_path):
@@ -485,6 +495,17 @@ class TDLM(nn.Module):
                 raise TDLMError(
                     f"{cfg_path}: adapter was trained for backbone.{field}={bb.get(field)} "
                     f"({bb.get('id')}); this backbone has {field}={have} ({backbone.backbone_id})"
+                )
+        if not allow_other_backbone:
+            have = {"family": backbone.family, "vocab_size": backbone.vocab_size,
+                    "fingerprint": backbone_identity(backbone)}
+            differ = [f"{k}={bb[k]!r} (this backbone: {v!r})" for k, v in have.items()
+                      if bb.get(k) is not None and v is not None and bb[k] != v]
+            if differ:
+                raise TDLMError(
+                    f"{cfg_path}: adapter was trained on backbone {bb.get('id')!r}, not this one "
+                    f"({backbone.backbone_id!r}): {'; '.join(differ)}; attach it anyway with "
+                    f"allow_other_backbone=True (--allow-other-backbone)"
                 )
         trained = HistoryPolicy.parse(raw.get("history", "full"))
         perceiver = raw.get("perceiver") or {}
@@ -524,6 +545,18 @@ class TDLM(nn.Module):
                 )
         model.temporal.load_state_dict({k.removeprefix("temporal."): v for k, v in state.items()})
         return model
+
+
+def backbone_identity(backbone: Backbone) -> str | None:
+    """The backbone's weight fingerprint (set by the loaders; computed for a backbone built in code)."""
+    if backbone.weight_fingerprint is not None:
+        return backbone.weight_fingerprint
+    params = list(backbone.parameters())
+    if not params or any(p.is_meta or p.numel() == 0 for p in params):  # meta or ZeRO-3 partitioned
+        return None
+    from tdlm.fingerprints import weight_fingerprint_module
+
+    return weight_fingerprint_module(backbone)
 
 
 def _check_history_switch(current: HistoryPolicy, num_latents: int, new: HistoryPolicy, where: str = "") -> None:

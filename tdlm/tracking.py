@@ -12,6 +12,7 @@ import json
 import math
 import netrc
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,28 @@ def wandb_mode(explicit: str | None = None) -> str:
 
 def _clean(d: dict) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl; a torn *last* line (a crash or a full disk mid-write) is dropped with a
+    warning, a bad line elsewhere is an error naming it."""
+    from tdlm.errors import TDLMError
+
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                print(f"warning: {path}: dropping a torn last line ({line[:60]!r})", file=sys.stderr, flush=True)
+                break
+            raise TDLMError(f"{path} line {i + 1}: not JSON ({e}); fix or remove that line") from e
+    return out
 
 
 class NullTracker:
@@ -68,8 +91,10 @@ class Tracker(NullTracker):
         """Drop records after ``step`` (a resumed run rewrites them)."""
         if not self.metrics_path.exists():
             return
-        keep = [ln for ln in self.metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+        keep = [rec for rec in read_metrics(self.metrics_path) if rec.get("step", 0) <= step]
+        tmp = self.metrics_path.with_name(f"{self.metrics_path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(json.dumps(rec) + "\n" for rec in keep))
+        os.replace(tmp, self.metrics_path)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         rec = _clean({"step": step, **metrics})

@@ -44,14 +44,43 @@ def test_adapter_on_wrong_backbone_fails_clearly(tmp_path):
                                 vocab_size=128, embedding_size=128))
     with pytest.raises(tdlm.TDLMError, match="hidden_size=64"):
         tdlm.TDLM.from_adapter(big, out)
-    # same dims, different family: allowed (dims decide), but heads x head_dim must match the tensors
+    # same dims, another family: refused (the adapter records its backbone) unless told otherwise ...
+    with pytest.raises(tdlm.TDLMError, match=r"trained on backbone 'tiny-llada'.*family='llada' \(this backbone: "
+                                             r"'dream'\).*allow_other_backbone=True"):
+        tdlm.TDLM.from_adapter(other, out)
+    # ... and then heads x head_dim must still match the tensors
     cfg = json.loads((out / "adapter_config.json").read_text())
     cfg["heads"] = 4
     (out / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(tdlm.TDLMError, match="heads=4 x head_dim=16"):
-        tdlm.TDLM.from_adapter(other, out)
+        tdlm.TDLM.from_adapter(other, out, allow_other_backbone=True)
     with pytest.raises(tdlm.TDLMError, match="missing adapter_config.json"):
         tdlm.TDLM.from_adapter(other, tmp_path)
+
+
+def test_adapter_refuses_a_same_shape_backbone_with_other_weights(tmp_path):
+    # "A Base adapter on an Instruct model": same architecture and files sizes, other weights.
+    base = tdlm.load_backbone("tiny-llada")
+    tdlm.save_pretrained(base, tmp_path / "base")
+    instruct = tdlm.load_backbone("tiny-llada")
+    with torch.no_grad():
+        instruct.blocks[0].q_proj.weight.add_(0.01)
+    tdlm.save_pretrained(instruct, tmp_path / "instruct")
+    base, instruct = tdlm.load_backbone(str(tmp_path / "base")), tdlm.load_backbone(str(tmp_path / "instruct"))
+    assert base.weight_fingerprint != instruct.weight_fingerprint
+    sizes = [sorted(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("base", "instruct")]
+    assert sizes[0] == sizes[1]
+    out = tdlm.TDLM(base).save_adapter(tmp_path / "ad")
+    assert json.loads((out / "adapter_config.json").read_text())["backbone"]["fingerprint"] == base.weight_fingerprint
+    tdlm.TDLM.from_adapter(tdlm.load_backbone(str(tmp_path / "base")), out)  # the same weights: fine
+    with pytest.raises(tdlm.TDLMError, match=r"fingerprint='w1:[0-9a-f]+' \(this backbone: 'w1:"):
+        tdlm.TDLM.from_adapter(instruct, out)
+    tdlm.TDLM.from_adapter(instruct, out, allow_other_backbone=True)
+    # an adapter written before fingerprints existed still loads
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    del cfg["backbone"]["fingerprint"]
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    tdlm.TDLM.from_adapter(instruct, out)
 
 
 def _run(model, states, P):

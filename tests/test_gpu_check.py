@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_writes_every_stage(tmp_path):
-    env = os.environ | {"OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -17,6 +17,7 @@ import torch
 import tdlm
 from tdlm.config import apply_overrides, from_dict, load_yaml
 from tdlm.decoding import decode
+from tdlm.generation.store import write_manifest
 from tdlm.training import lr_lambda, preflight
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json, resolve_ds_config
@@ -40,6 +41,7 @@ def make_trajectories(folder: Path, backbone: str = "tiny-llada", n: int = 48, s
     per = n // shards
     for s in range(shards):
         write_parquet(recs[s * per:(s + 1) * per], folder / f"shard-{s:05d}.parquet")
+    write_manifest(folder, backbone, {"decode": {"policy": "original"}})
     return folder
 
 
@@ -181,6 +183,7 @@ def test_preflight_refuses_evaluation_problems_as_teacher_prompts(tmp_path):
     for r, q in zip(recs, gsm8k, strict=False):
         r.prompt_text = q  # three teacher prompts are GSM8K test problems
     write_parquet(recs, traj / "shard-00000.parquet")
+    write_manifest(traj, "tiny-llada", {})
     z3 = load_ds_json(REPO / "ds_configs" / "zero3.json")
     with pytest.raises(tdlm.TDLMError, match=r"3 of 8 teacher prompts are gsm8k test problems.*allow_eval_prompts"):
         preflight(_run(traj), z3, 2, False)
@@ -216,13 +219,39 @@ def test_preflight_errors(tmp_path, traj_dir):
         _run(traj_dir, "train.max_steps=many")
 
 
+def test_training_requires_a_complete_verified_manifest(tmp_path):
+    z3 = load_ds_json(REPO / "ds_configs" / "zero3.json")
+    traj = make_trajectories(tmp_path / "traj", n=16, shards=2)
+    preflight(_run(traj), z3, 2, False)
+    manifest = json.loads((traj / "manifest.json").read_text())
+    # generation still running: 8 of 16 prompts finished
+    running = manifest | {"status": "running", "num_prompts": 16,
+                          "shards": {"shard-00000.parquet": manifest["shards"]["shard-00000.parquet"]}}
+    (traj / "manifest.json").write_text(json.dumps(running))
+    with pytest.raises(tdlm.TDLMError, match=r"generation is not finished \(status 'running': 8 of 16 prompts"):
+        preflight(_run(traj), z3, 2, False)
+    # a shard changed after generation, same size: one byte flipped
+    (traj / "manifest.json").write_text(json.dumps(manifest))
+    shard = traj / "shard-00001.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(tdlm.TDLMError, match="shard-00001.parquet: sha256 differs from manifest.json"):
+        preflight(_run(traj), z3, 2, False)
+    (traj / "manifest.json").unlink()
+    with pytest.raises(tdlm.TDLMError, match="has no manifest.json"):
+        preflight(_run(traj), z3, 2, False)
+
+
 def test_foreign_vocab_is_rejected(tmp_path):
     rec = TrajectoryRecord("x", [3, 4], [500, 11], [1, 2], 2, backbone_id="tiny-llada")
     write_parquet([rec] * 8, tmp_path / "shard-00000.parquet")
+    write_manifest(tmp_path, "tiny-llada", {})
     with pytest.raises(tdlm.TDLMError, match="token id 500 outside the backbone's vocabulary of 128"):
         preflight(_run(tmp_path), load_ds_json(REPO / "ds_configs" / "zero3.json"), 2, False)
     rec = TrajectoryRecord("x", [3, 4], [2, 11], [1, 2], 2, backbone_id="tiny-llada")
     write_parquet([rec] * 8, tmp_path / "shard-00000.parquet")
+    write_manifest(tmp_path, "tiny-llada", {})
     with pytest.raises(tdlm.TDLMError, match="mask id 2"):
         preflight(_run(tmp_path), load_ds_json(REPO / "ds_configs" / "zero3.json"), 2, False)
 
@@ -249,3 +278,62 @@ def test_resolved_ds_config_zero3_offload():
     cfg = resolve_ds_config(load_ds_json(REPO / "ds_configs" / "zero3_offload.json"), run, 8, on_gpu=True)
     assert cfg["bf16"]["enabled"] is True and "torch_adam" not in cfg["optimizer"]["params"]
     assert cfg["train_batch_size"] == 4 * 8
+
+
+@pytest.mark.slow
+def test_checkpoints_carry_checksums_and_the_logged_lr_is_the_one_used(zero3_run):
+    from tdlm.training import lr_lambda
+    from tdlm.training.run_dir import SUMS, verify_checksums
+
+    tags = sorted((zero3_run / "checkpoints").glob("step-*"))
+    assert [t.name for t in tags] == ["step-16", "step-24", "step-8"]
+    for tag in tags:
+        assert (tag / SUMS).exists()
+        verify_checksums(tag)
+    recs = {r["step"]: r for r in map(json.loads, (zero3_run / "metrics.jsonl").read_text().splitlines())}
+    o = json.loads((zero3_run / "run_config.json").read_text())["optim"]
+    # update u (1-based) uses lr * lr_lambda(u - 1): linear warm-up, then cosine to min_lr_ratio
+    for step in (1, 2, o["warmup_steps"] + 1, STEPS):
+        want = o["lr"] * lr_lambda(step - 1, o["warmup_steps"], STEPS, o["min_lr_ratio"])
+        assert recs[step]["lr"] == pytest.approx(want, rel=1e-9), step
+
+
+def _rank_pids(out: Path) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "launcher/train.py" in cmd and "--local_rank" in cmd and str(out) in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+@pytest.mark.slow
+def test_ranks_stop_when_the_launcher_is_killed(tmp_path, traj_dir):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = _launch(_ds_json(tmp_path, "zero3.json", 3), traj_dir, out, background=True, steps=100000)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.time() < deadline, out.with_suffix(".log").read_text()[-3000:]
+            time.sleep(1)
+        ranks = _rank_pids(out)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)  # only the `deepspeed` runner
+        deadline = time.time() + 60
+        while _rank_pids(out) and time.time() < deadline:
+            time.sleep(1)
+        assert not _rank_pids(out), "ranks kept running after the launcher died"
+        assert "is gone; stopping rank" in out.with_suffix(".log").read_text()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -392,3 +392,32 @@ class ShardStore:
             self.manifest["completed"] = _now()
             self._write()
         return stats
+
+
+def write_manifest(root: str | os.PathLike, backbone_id: str, settings: dict) -> dict:
+    """A complete ``manifest.json`` for shards written outside :class:`ShardStore` (the embedded default's
+    in-process teacher, tests): every ``shard-*.parquet`` with its rows, size and sha256, status complete."""
+    import pyarrow.parquet as pq
+
+    root = Path(root)
+    shards = {}
+    for path in sorted(root.glob("shard-*.parquet")):
+        rows = pq.ParquetFile(str(path)).metadata.num_rows
+        shards[path.name] = {"rows": rows, "bytes": path.stat().st_size, "sha256": sha256_of(path)}
+    if not shards:
+        raise TDLMError(f"{root}: no shard-*.parquet to describe")
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "status": "complete",
+        "created": _now(),
+        "completed": _now(),
+        "settings": dict(settings),
+        "backbone_id": backbone_id,
+        "num_prompts": sum(e["rows"] for e in shards.values()),
+        "num_shards": len(shards),
+        "shards": shards,
+        "runs": [],
+    }
+    atomic_write_json(root / MANIFEST, manifest)
+    return manifest

@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tdlm.errors import TDLMError
+from tdlm.fingerprints import weight_fingerprint_files
 from tdlm.models.common import Backbone
 from tdlm.models.dream import Dream, DreamConfig
 from tdlm.models.llada import LLaDA, LLaDAConfig
@@ -184,6 +185,7 @@ def load_backbone(
         _init_weights(model, preset["seed"])
         model = model.to(device=device, dtype=_resolve_dtype(dtype, "float32"))
         model.backbone_id = name_or_path
+        model.weight_fingerprint = f"preset:{name_or_path}"  # seeded: the name is the content
         return model.freeze()
 
     folder, raw, family, backbone_id = _folder_config(name_or_path)
@@ -219,6 +221,7 @@ def load_backbone(
         raise TDLMError(f"{folder}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     model.load_state_dict(state, assign=True)
     model.backbone_id = backbone_id
+    model.weight_fingerprint = weight_fingerprint_files(files, set(expected))
     return model.to(device).freeze()
 
 
@@ -317,6 +320,11 @@ def load_backbone_partitioned(
                                     f"config implies {tuple(p.shape)}")
                 p.data.copy_(t.to(p.dtype))
     model.backbone_id = backbone_id
+    if name_or_path in PRESETS:
+        model.weight_fingerprint = f"preset:{name_or_path}"
+    else:
+        model.weight_fingerprint = weight_fingerprint_files(_weight_files(folder), {n for n, _ in
+                                                                                    model.named_parameters()})
     return model.freeze()
 
 

@@ -39,8 +39,20 @@ def _agree(cfg: dict, key: str, value, where: str, run_field: str) -> None:
 def resolve_ds_config(raw: dict, run: RunConfig, world_size: int, on_gpu: bool, where: str = "ds config") -> dict:
     """Fill ``auto`` fields and check the DS JSON against the run config."""
     cfg = copy.deepcopy(raw)
+    for section in ("zero_optimization", "optimizer", "bf16", "fp16", "activation_checkpointing"):
+        if section in cfg and not isinstance(cfg[section], dict):
+            raise TDLMError(f"{where}: {section} must be an object; got {cfg[section]!r}")
     zero = cfg.setdefault("zero_optimization", {})
-    stage = int(zero.get("stage", 0))
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise TDLMError(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3; got {stage!r}")
+    for key, value in zero.items():
+        if key.endswith(("_size", "_threshold", "_parameters", "_distance")) and value != "auto" and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
+            raise TDLMError(f"{where}: zero_optimization.{key} must be a non-negative number; got {value!r}")
+    for key in ("offload_optimizer", "offload_param"):
+        if key in zero and not isinstance(zero[key], dict):
+            raise TDLMError(f"{where}: zero_optimization.{key} must be an object; got {zero[key]!r}")
     if run.train.zero_stage is not None and run.train.zero_stage != stage:
         raise TDLMError(f"{where}: zero_optimization.stage={stage} contradicts train.zero_stage={run.train.zero_stage}")
     mb, accum = run.train.micro_batch_size, run.train.grad_accum
@@ -53,6 +65,8 @@ def resolve_ds_config(raw: dict, run: RunConfig, world_size: int, on_gpu: bool, 
         raise TDLMError(f"{where}: remove the 'scheduler' section; the LR schedule is set by optim.* in the run config")
     opt = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = opt.setdefault("params", {})
+    if not isinstance(params, dict):
+        raise TDLMError(f"{where}: optimizer.params must be an object; got {params!r}")
     for key, value in (("lr", run.optim.lr), ("weight_decay", run.optim.weight_decay),
                        ("betas", [run.optim.beta1, run.optim.beta2]), ("eps", run.optim.eps)):
         have = params.get(key, "auto")
@@ -63,6 +77,8 @@ def resolve_ds_config(raw: dict, run: RunConfig, world_size: int, on_gpu: bool, 
         # The fused CUDA Adam cannot run here and its CPU JIT build costs a minute: use torch's AdamW.
         params["torch_adam"] = True
     bf16 = cfg.setdefault("bf16", {"enabled": "auto"})
+    if bf16.get("enabled", "auto") not in ("auto", True, False):
+        raise TDLMError(f"{where}: bf16.enabled must be true, false or \"auto\"; got {bf16.get('enabled')!r}")
     want_bf16 = run.model.dtype == "bfloat16" or (run.model.dtype == "auto" and on_gpu)
     if bf16.get("enabled", "auto") == "auto":
         bf16["enabled"] = want_bf16

@@ -9,6 +9,7 @@ import argparse
 from dataclasses import dataclass
 
 from tdlm.config import apply_overrides, from_dict, load_yaml
+from tdlm.errors import TDLMError
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json
 
@@ -20,6 +21,7 @@ class Launch:
     ds_path: str
     source: str  # the run config file (or "defaults"), named in error messages
     resume: bool
+    allow_recipe_change: bool = False
 
 
 def parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -32,7 +34,12 @@ def parser(description: str | None = None) -> argparse.ArgumentParser:
     ap.add_argument("--output-dir", default=None,
                     help="run folder (checkpoints/, adapter/, metrics.jsonl, summary.json)")
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer updates (sets train.max_steps)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --output-dir from its newest verified checkpoint (a finished run: "
+                         "nothing to do); the recipe must be unchanged")
+    ap.add_argument("--allow-recipe-change", action="store_true",
+                    help="with --resume: accept a changed recipe (lr, batch sizes, seed, model, data...); the old "
+                         "run_config.json is kept as run_config.step-N.json")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*",
                     help="section.key=value overrides of the run config (model.layers=all, train.max_steps=100)")
@@ -50,4 +57,21 @@ def parse_launch(argv: list[str] | None = None, description: str | None = None) 
         extra.append(f"train.max_steps={args.max_steps}")
     source = args.config or "defaults"
     run = from_dict(RunConfig, apply_overrides(raw, extra), source)
-    return Launch(run=run, ds_raw=load_ds_json(args.ds), ds_path=args.ds, source=source, resume=args.resume)
+    if args.allow_recipe_change and not args.resume:
+        raise TDLMError("--allow-recipe-change applies to --resume only")
+    return Launch(run=run, ds_raw=load_ds_json(args.ds), ds_path=args.ds, source=source, resume=args.resume,
+                  allow_recipe_change=args.allow_recipe_change)
+
+
+def preflight_before_work(launch: Launch) -> None:
+    """Validate everything that needs no trajectories (run config fields, DS JSON, backbone, allocation)
+    before the embedded default's teacher trajectories are generated or a process group starts."""
+    import os
+
+    import torch
+
+    from tdlm.training.loop import preflight_config
+
+    on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    preflight_config(launch.run, launch.ds_raw, int(os.environ.get("WORLD_SIZE", "1")), on_gpu, launch.source,
+                     launch.ds_path)

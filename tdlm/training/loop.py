@@ -31,15 +31,22 @@ import torch
 
 from tdlm.config import to_dict
 from tdlm.contamination import check_trajectory_prompts
-from tdlm.data import TrajectoryStream
+from tdlm.data import TrajectoryStream, shard_paths, verify_manifest
 from tdlm.errors import TDLMError
 from tdlm.model import TDLM, TemporalConfig
 from tdlm.tracking import NullTracker, Tracker
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import resolve_ds_config, uses_activation_checkpointing
+from tdlm.training.run_dir import (
+    CHECKPOINT_DIR,
+    RunLock,
+    check_run_dir,
+    finished_step,
+    keep_old_config,
+    newest_verified_tag,
+    write_checksums,
+)
 from tdlm.trajectories import IGNORE_INDEX, trajectory_loss
-
-CHECKPOINT_DIR = "checkpoints"
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -78,6 +85,8 @@ class Session:
     world: int
     tracker: NullTracker
     start_step: int = 0
+    lock: RunLock | None = None
+    allow_recipe_change: bool = False
 
 
 def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
@@ -86,29 +95,62 @@ def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[run.model.dtype]
 
 
-def validate_run(run: RunConfig) -> None:
-    """Checks that need no backbone or cluster (run before distributed start-up)."""
-    if run.model.dtype not in ("auto", "float32", "bfloat16"):
-        raise TDLMError(f"model.dtype must be auto, float32 or bfloat16; got {run.model.dtype!r}")
-    for name in ("micro_batch_size", "grad_accum", "max_steps"):
-        if getattr(run.train, name) < 1:
-            raise TDLMError(f"train.{name} must be >= 1; got {getattr(run.train, name)}")
+def validate_run(run: RunConfig, source: str = "run config") -> None:
+    """Every field's range, before anything runs (no backbone, no cluster, no trajectories needed)."""
     from tdlm.history import HistoryPolicy
+    from tdlm.model import ALIGNMENTS
 
-    HistoryPolicy.parse(run.model.history)
+    def bad(field: str, want: str, got) -> TDLMError:
+        return TDLMError(f"{source}: {field} must be {want}; got {got!r}")
+
+    m, d, o, t = run.model, run.data, run.optim, run.train
+    if m.dtype not in ("auto", "float32", "bfloat16"):
+        raise bad("model.dtype", "auto, float32 or bfloat16", m.dtype)
+    if m.alignment not in ALIGNMENTS:
+        raise bad("model.alignment", " or ".join(ALIGNMENTS), m.alignment)
+    for name in ("heads", "head_dim", "perceiver_heads", "perceiver_head_dim"):
+        v = getattr(m, name)
+        if v is not None and v < 1:
+            raise bad(f"model.{name}", ">= 1 (or null for the backbone's default)", v)
+    try:
+        HistoryPolicy.parse(m.history)
+    except TDLMError as e:
+        raise TDLMError(f"{source}: model.history: {e}") from e
+    if d.states < 1:
+        raise bad("data.states", ">= 1", d.states)
+    checks = [
+        ("optim.lr", o.lr, o.lr > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+        ("optim.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "in [0, 1]"),
+        ("optim.grad_clip", o.grad_clip, o.grad_clip >= 0, ">= 0 (0 = no clipping)"),
+        ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 1, ">= 1"),
+        ("train.grad_accum", t.grad_accum, t.grad_accum >= 1, ">= 1"),
+        ("train.max_steps", t.max_steps, t.max_steps >= 1, ">= 1"),
+        ("train.save_every", t.save_every, t.save_every >= 0, ">= 0 (0 = only at the end)"),
+        ("train.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+    ]
+    for field, value, ok, want in checks:
+        if not ok or (isinstance(value, float) and value != value):
+            raise bad(field, want, value)
+    if t.zero_stage is not None and t.zero_stage not in (0, 1, 2, 3):
+        raise bad("train.zero_stage", "0, 1, 2, 3 or null", t.zero_stage)
+    if run.wandb.mode not in (None, "online", "offline", "disabled"):
+        raise bad("wandb.mode", "online, offline, disabled or null", run.wandb.mode)
+    if not run.output_dir:
+        raise bad("output_dir", "a folder", run.output_dir)
 
 
-def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, source: str = "run config") -> dict:
-    """Every check that can fail on user input, before any process group or weight exists.
-
-    Resolves the DS config against the run config, builds the backbone on the meta device to check
-    the layer allocation, reads + validates every trajectory shard against the backbone, and refuses
-    teacher prompts that are evaluation problems unless ``data.allow_eval_prompts``.
-    """
+def preflight_config(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, source: str = "run config",
+                     ds_source: str = "ds config") -> dict:
+    """The checks that need neither trajectories nor a process group: fields, DS JSON, backbone, layers."""
     from tdlm.models.loading import load_backbone_meta
 
-    validate_run(run)
-    ds_cfg = resolve_ds_config(ds_raw, run, world_size, on_gpu)
+    validate_run(run, source)
+    ds_cfg = resolve_ds_config(ds_raw, run, world_size, on_gpu, where=ds_source)
     m = run.model
     try:
         meta = load_backbone_meta(m.backbone)
@@ -121,6 +163,24 @@ def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, sourc
             f"{source}: model.layers={m.layers!r}, model.heads={m.heads!r}, model.head_dim={m.head_dim!r} do not fit "
             f"{meta.family} with {meta.num_layers} layers of width {meta.hidden_size}: {e}"
         ) from e
+    return ds_cfg
+
+
+def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, source: str = "run config",
+              ds_source: str = "ds config") -> dict:
+    """Every check that can fail on user input, before any process group or weight exists.
+
+    :func:`preflight_config` (fields, the DS JSON against the run config, the backbone and layer allocation
+    on the meta device), then the trajectories: a complete generation manifest whose shard checksums
+    match, every shard valid for the backbone, and no teacher prompt that is an evaluation problem
+    unless ``data.allow_eval_prompts``.
+    """
+    from tdlm.models.loading import load_backbone_meta
+
+    ds_cfg = preflight_config(run, ds_raw, world_size, on_gpu, source, ds_source)
+    meta = load_backbone_meta(run.model.backbone)
+    shard_paths(run.data.trajectories)
+    verify_manifest(run.data.trajectories)
     TrajectoryStream(run.data.trajectories, meta, run.data.states, run.train.micro_batch_size, world_size, 0,
                      run.data.seed, run.data.allow_foreign_backbone)
     check_trajectory_prompts(run.data.trajectories, run.data.allow_eval_prompts)
@@ -149,7 +209,8 @@ def frozen_fingerprint(model: TDLM) -> str:
     return h.hexdigest()
 
 
-def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run config") -> Session:
+def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run config",
+          ds_source: str = "ds config", allow_recipe_change: bool = False, lock: RunLock | None = None) -> Session:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -158,7 +219,12 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
 
     acc = get_accelerator()
     on_gpu = acc.device_name() == "cuda"
-    preflight(run, ds_raw, int(os.environ.get("WORLD_SIZE", "1")), on_gpu, source)
+    # Rank 0 holds the run folder for the whole run: a second launch on it fails here, at once.
+    if lock is None and int(os.environ.get("RANK", "0")) == 0:
+        lock = RunLock(run.output_dir)
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    check_run_dir(run, resume, allow_recipe_change, world_env)
+    preflight(run, ds_raw, world_env, on_gpu, source, ds_source)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -166,7 +232,7 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     if on_gpu:
         acc.set_device(local_rank)
     torch.manual_seed(run.train.seed)
-    ds_cfg = resolve_ds_config(ds_raw, run, world, on_gpu)
+    ds_cfg = resolve_ds_config(ds_raw, run, world, on_gpu, where=ds_source)
     dtype = _dtype(run, on_gpu)
     stage = int(ds_cfg["zero_optimization"].get("stage", 0))
     if stage == 3:
@@ -194,46 +260,70 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
             deepspeed.zero.register_external_parameter(model, p)
     out = Path(run.output_dir)
     tracker: NullTracker = NullTracker()
+    sess = Session(run, ds_cfg, engine, model, stream, device, rank, world, tracker, lock=lock,
+                   allow_recipe_change=allow_recipe_change)
+    if resume:
+        sess.start_step = load_checkpoint(sess)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "run_config.json").write_text(json.dumps(to_dict(run), indent=2) + "\n")
+        if resume and allow_recipe_change and (out / "run_config.json").exists():
+            keep_old_config(out, sess.start_step)
+        if not resume or not (out / "run_config.json").exists():
+            (out / "run_config.json").write_text(json.dumps(to_dict(run), indent=2) + "\n")
         (out / "ds_config.json").write_text(json.dumps(ds_cfg, indent=2) + "\n")
         config = to_dict(run) | {"resolved": {"layers": model.layer_ids, "heads": model.config.heads,
                                               "head_dim": model.config.head_dim, "world_size": world,
                                               "zero_stage": stage, "dtype": str(dtype),
                                               "activation_checkpointing": model.activation_checkpointing,
                                               "temporal_parameters": model.num_temporal_parameters()}}
-        tracker = Tracker(out, run.wandb.project, run.wandb.group or out.name, run.wandb.name, config,
-                          run.wandb.mode)
-    sess = Session(run, ds_cfg, engine, model, stream, device, rank, world, tracker)
-    if resume:
-        sess.start_step = load_checkpoint(sess)
+        sess.tracker = Tracker(out, run.wandb.project, run.wandb.group or out.name, run.wandb.name, config,
+                               run.wandb.mode)
+        if resume:
+            sess.tracker.truncate(sess.start_step)
     return sess
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
 def save_checkpoint(sess: Session, step: int) -> None:
-    """DeepSpeed checkpoint of the temporal modules + optimizer, with the data position (= step)."""
+    """DeepSpeed checkpoint of the temporal modules + optimizer, with the data position (= step), then
+    SHA256SUMS.json over all its files once every rank has written its part (collective)."""
+    import torch.distributed as dist
+
     ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
-    sess.engine.save_checkpoint(str(ckpt), tag=f"step-{step}", exclude_frozen_parameters=True,
+    tag = f"step-{step}"
+    sess.engine.save_checkpoint(str(ckpt), tag=tag, exclude_frozen_parameters=True,
                                 client_state={"step": step, "config": to_dict(sess.run)})
+    dist.barrier()
+    if sess.rank == 0:
+        write_checksums(ckpt / tag)
+    dist.barrier()
 
 
 def load_checkpoint(sess: Session) -> int:
+    """Load the newest checkpoint whose files match their checksums; rank 0 picks the tag and every rank
+    loads that one (broadcast), so ranks never resume from different steps."""
+    import torch.distributed as dist
+
     ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
-    if not (ckpt / "latest").exists():
-        raise TDLMError(f"--resume: no checkpoint in {ckpt} (nothing to resume)")
-    path, client = sess.engine.load_checkpoint(str(ckpt), load_module_strict=False)
+    choice: list = [None, None]  # tag, error
+    if sess.rank == 0:
+        try:
+            choice[0] = newest_verified_tag(ckpt)
+        except TDLMError as e:
+            choice[1] = str(e)
+    dist.broadcast_object_list(choice, src=0)
+    if choice[1]:
+        raise TDLMError(choice[1])
+    path, client = sess.engine.load_checkpoint(str(ckpt), tag=choice[0], load_module_strict=False)
     if path is None:
-        raise TDLMError(f"--resume: DeepSpeed could not load the checkpoint in {ckpt}")
+        raise TDLMError(f"--resume: DeepSpeed could not load checkpoint {choice[0]} in {ckpt}")
     saved = client.get("config", {})
-    for section in ("model", "data"):
-        if saved.get(section) != to_dict(sess.run)[section]:
-            raise TDLMError(f"--resume: run config section '{section}' differs from the checkpoint's "
-                            f"({ckpt}); resume with the same model and data settings")
-    step = int(client["step"])
-    sess.tracker.truncate(step)
-    return step
+    if not sess.allow_recipe_change:
+        for section in ("model", "data"):
+            if saved.get(section) != to_dict(sess.run)[section]:
+                raise TDLMError(f"--resume: run config section '{section}' differs from the checkpoint's "
+                                f"({ckpt / choice[0]}); resume with the same model and data settings")
+    return int(client["step"])
 
 
 # -- the step --------------------------------------------------------------------------------------
@@ -247,6 +337,8 @@ def train_step(sess: Session, step: int) -> dict:
     dist.all_reduce(counts)
     global_tokens = float(counts.item())
     norm = max(global_tokens, 1.0) / (sess.world * accum)
+    lrs = engine.get_lr()
+    lr = lrs[0] if lrs else float("nan")  # the rate this step's update uses (the scheduler moves after it)
     t0 = time.perf_counter()
     ce_total = torch.zeros((), device=sess.device, dtype=torch.float64)
     for b in batches:
@@ -261,7 +353,6 @@ def train_step(sess: Session, step: int) -> dict:
     # The largest rank decides an OOM: log the maximum over ranks, not rank 0's own.
     peak = torch.tensor([peak_memory_mb(sess.device)], device=sess.device, dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    lr = engine.get_lr()[0] if engine.get_lr() else float("nan")
     return {
         "loss": float(ce_total.item()) / max(global_tokens, 1.0),
         "supervised_tokens": int(global_tokens),
@@ -323,9 +414,21 @@ def verify_export(sess: Session, adapter_dir: Path) -> float | None:
 
 
 def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = True,
-          source: str = "run config") -> dict:
-    """Run the whole job; returns the summary (rank 0; other ranks return an empty dict)."""
-    sess = setup(run, ds_raw, resume, source)
+          source: str = "run config", ds_source: str = "ds config", allow_recipe_change: bool = False) -> dict:
+    """Run the whole job; returns the summary (rank 0; other ranks return an empty dict).
+
+    Resuming a finished run changes nothing and returns its summary.
+    """
+    world_env, rank_env = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    lock = RunLock(run.output_dir) if rank_env == 0 else None  # first: nothing may race a live run
+    if resume and check_run_dir(run, resume, allow_recipe_change, world_env) == "finished":
+        out = Path(run.output_dir)
+        if rank_env == 0:
+            print(f"{out}: this run finished at step {finished_step(out)} (summary.json); nothing to resume",
+                  flush=True)
+            lock.release()
+        return json.loads((out / "summary.json").read_text()) if rank_env == 0 else {}
+    sess = setup(run, ds_raw, resume, source, ds_source, allow_recipe_change, lock)
     total = run.train.max_steps
     fingerprint = frozen_fingerprint(sess.model) if run.train.verify_frozen else None
     bar = None

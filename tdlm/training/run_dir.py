@@ -1,0 +1,293 @@
+"""The run folder of a training job: who may write it, what a resume may trust, and what it must refuse.
+
+Layout (``--output-dir``)::
+
+    run_config.json            the recipe (rewritten only by a resume that accepted a changed recipe;
+                               the previous one is kept as run_config.step-<N>.json)
+    ds_config.json             the resolved DeepSpeed JSON
+    metrics.jsonl              one record per logged step (a torn last line is dropped on resume)
+    summary.json               written once, when the run finishes
+    checkpoints/step-<N>/      DeepSpeed checkpoint files + SHA256SUMS.json (written after every rank saved)
+    adapter/                   the exported adapter
+    .lock                      flock held by rank 0 for the whole run (pid, host, start time inside)
+
+Policy:
+
+=============================================  ===================================================
+found                                          action
+=============================================  ===================================================
+another live run holds ``.lock``               TDLMError at once, naming its pid and host
+run files, no ``--resume``                     TDLMError naming the folder and both ways out
+``--resume``, recipe differs from run_config   TDLMError naming every changed field, unless
+                                               ``--allow-recipe-change`` (both configs kept)
+``--resume``, run finished (summary.json)      a no-op that says so; nothing is rewritten
+newest checkpoint without SHA256SUMS.json      skipped with a warning (its save did not finish)
+checkpoint file whose sha256 differs           TDLMError naming the file (never unpickled)
+=============================================  ===================================================
+
+Checkpoints are loaded with pickle by DeepSpeed, so a checkpoint folder is *trusted input*: the checksums
+catch corruption and files swapped after the run wrote them, not an attacker who can rewrite both.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tdlm.config import to_dict
+from tdlm.errors import TDLMError
+from tdlm.training.config import RunConfig
+
+log = logging.getLogger("tdlm.training")
+
+CHECKPOINT_DIR = "checkpoints"
+LOCK = ".lock"
+SUMS = "SHA256SUMS.json"
+RUN_FILES = ("run_config.json", "metrics.jsonl", "summary.json", CHECKPOINT_DIR)
+TAG_RE = re.compile(r"^step-(\d+)$")
+# The recipe: what a resume must not change silently (sections, or section.field).
+RECIPE = ("model", "data", "optim", "train.micro_batch_size", "train.grad_accum", "train.max_steps",
+          "train.seed", "train.zero_stage")
+
+
+# -- the lock --------------------------------------------------------------------------------------
+class RunLock:
+    """``flock`` on ``<run>/.lock`` for the life of this process (released by the kernel if it dies)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fh = open(self.path, "a+")  # noqa: SIM115 - held open for the whole run
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.fh.seek(0)
+            holder = self.fh.read().strip() or "unknown"
+            self.fh.close()
+            raise TDLMError(f"{self.path.parent}: another training run is using this folder ({holder}); wait for "
+                            f"it to end or stop it, or choose another --output-dir") from None
+        self.fh.seek(0)
+        self.fh.truncate()
+        since = dt.datetime.now().isoformat(timespec="seconds")
+        self.fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}")
+        self.fh.flush()
+
+    def release(self) -> None:
+        if not self.fh.closed:
+            fcntl.flock(self.fh, fcntl.LOCK_UN)
+            self.fh.close()
+
+
+# -- what a launch may do with the folder ----------------------------------------------------------
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part, {}) if isinstance(d, dict) else {}
+    return d
+
+
+def recipe_diff(old: dict, new: dict) -> list[str]:
+    """``field: old -> new`` for every recipe field that differs."""
+    out = []
+    for key in RECIPE:
+        a, b = _get(old, key), _get(new, key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for f in sorted(set(a) | set(b)):
+                if a.get(f) != b.get(f):
+                    out.append(f"{key}.{f}: {a.get(f)!r} -> {b.get(f)!r}")
+        elif a != b:
+            out.append(f"{key}: {a!r} -> {b!r}")
+    return out
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step a finished run ended at (summary.json), else None."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    try:
+        steps = json.loads(path.read_text()).get("steps")
+    except json.JSONDecodeError:
+        return None
+    return int(steps) if isinstance(steps, int) else None
+
+
+def check_run_dir(run: RunConfig, resume: bool, allow_recipe_change: bool, world_size: int) -> str:
+    """Decide what this launch does with ``run.output_dir``: "fresh", "resume" or "finished".
+
+    Reads only files (every rank may call it before any process group exists).
+    """
+    out = Path(run.output_dir)
+    present = [name for name in RUN_FILES if (out / name).exists()]
+    if not resume:
+        if present:
+            raise TDLMError(f"{out} already holds a training run ({', '.join(present)}): continue it with --resume, "
+                            f"or train into another --output-dir (or delete this folder)")
+        return "fresh"
+    if "run_config.json" not in present:
+        raise TDLMError(f"--resume: {out} holds no run (no run_config.json); start it without --resume")
+    try:
+        old = json.loads((out / "run_config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise TDLMError(f"--resume: {out / 'run_config.json'} is not valid JSON ({e})") from e
+    new = to_dict(run)
+    diffs = recipe_diff(old, new)
+    old_world = None
+    try:  # the resolved DS JSON holds train_batch_size = micro_batch x grad_accum x world
+        ds = json.loads((out / "ds_config.json").read_text())
+        old_world = int(ds["train_batch_size"]) // (int(ds["train_micro_batch_size_per_gpu"]) *
+                                                      int(ds["gradient_accumulation_steps"]))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        pass
+    if old_world is not None and old_world != world_size:
+        diffs.append(f"world size: {old_world} -> {world_size} (the data order and the global batch depend on it)")
+    if diffs and not allow_recipe_change:
+        raise TDLMError(f"--resume: the recipe differs from the run's ({out / 'run_config.json'}): "
+                        f"{'; '.join(diffs)}; resume with the same settings, or pass --allow-recipe-change to "
+                        f"continue with the new ones (the old run_config.json is kept)")
+    done = finished_step(out)
+    if done is not None and done >= run.train.max_steps and not diffs:
+        return "finished"
+    return "resume"
+
+
+def keep_old_config(run_dir: Path, step: int) -> Path:
+    """Before a resume with an accepted recipe change: keep the previous run_config.json beside the new one."""
+    src = run_dir / "run_config.json"
+    dst = run_dir / f"run_config.step-{step}.json"
+    os.replace(src, dst)
+    return dst
+
+
+# -- checkpoint checksums --------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(tag_dir: Path) -> Path:
+    """SHA256SUMS.json over every file of one checkpoint tag (after all ranks wrote theirs)."""
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != SUMS)
+    sums = {str(p.relative_to(tag_dir)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    tmp = tag_dir / f"{SUMS}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"files": sums}, indent=1) + "\n")
+    os.replace(tmp, tag_dir / SUMS)
+    return tag_dir / SUMS
+
+
+def verify_checksums(tag_dir: Path) -> None:
+    """Every file listed with its sha256, none missing, none added; raises TDLMError naming the file."""
+    try:
+        listed = json.loads((tag_dir / SUMS).read_text())["files"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise TDLMError(f"{tag_dir / SUMS}: unreadable checksum list ({e})") from e
+    on_disk = {str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != SUMS}
+    extra = sorted(on_disk - set(listed))
+    if extra:
+        raise TDLMError(f"{tag_dir / extra[0]}: not in {SUMS} (added after the checkpoint was written); "
+                        f"checkpoints are loaded with pickle, so unknown files are never read")
+    for name, entry in sorted(listed.items()):
+        path = tag_dir / name
+        if not path.exists():
+            raise TDLMError(f"{path}: listed in {SUMS} but missing")
+        if _sha256(path) != entry["sha256"]:
+            raise TDLMError(f"{path}: sha256 differs from {SUMS} (changed after the checkpoint was written); "
+                            f"refusing to load it (checkpoints are unpickled)")
+
+
+def newest_verified_tag(ckpt_dir: Path) -> str:
+    """The newest ``step-N`` whose files all match their checksums (tags whose save never finished are
+    skipped with a warning); raises TDLMError when none exists or the newest complete one was altered."""
+    tags = sorted(((int(m.group(1)), p) for p in ckpt_dir.glob("step-*")
+                   if p.is_dir() and (m := TAG_RE.match(p.name))), reverse=True)
+    for _, tag_dir in tags:
+        if not (tag_dir / SUMS).exists():
+            log.warning("%s: no %s (the run stopped while saving it); using an older checkpoint", tag_dir, SUMS)
+            print(f"warning: {tag_dir}: no {SUMS} (the run stopped while saving it); using an older checkpoint",
+                  file=sys.stderr, flush=True)
+            continue
+        verify_checksums(tag_dir)
+        return tag_dir.name
+    raise TDLMError(f"--resume: no complete checkpoint in {ckpt_dir} (nothing to resume)")
+
+
+# -- the launcher's life ---------------------------------------------------------------------------
+LAUNCHERS = ("deepspeed", "torchrun", "torch.distributed.run", "torch/distributed/run", "torch.distributed.launch")
+
+
+def _proc(pid: int) -> tuple[str, str] | None:
+    """(cmdline, start time) of a live process, else None (a zombie, killed but not yet reaped, is dead)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):
+            return None
+        return cmd, fields[19]
+    except (OSError, IndexError):
+        return None
+
+
+def launcher_ancestors() -> list[tuple[int, str, str]]:
+    """(pid, cmdline, start time) of the launcher processes above this rank (deepspeed / torchrun chain)."""
+    out = []
+    pid = os.getppid()
+    while pid > 1:
+        info = _proc(pid)
+        if info is None or not any(k in info[0] for k in LAUNCHERS):
+            break
+        out.append((pid, *info))
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return out
+
+
+def stop_with_launcher(interval: float = 1.0) -> threading.Thread | None:
+    """When any launcher process above this rank dies (killed alone), end this rank too.
+
+    A rank's direct parent is DeepSpeed's per-node ``launch.py`` or torchrun's agent; killing the
+    ``deepspeed`` runner above it leaves that parent alive, so a watcher checks the whole chain (pid and
+    start time, so a reused pid does not count as alive). The parent's death also arrives as SIGTERM
+    (PR_SET_PDEATHSIG).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    chain = launcher_ancestors()
+    if not chain:
+        return None
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            for pid, cmd, start in chain:
+                info = _proc(pid)
+                if info is None or info[1] != start:
+                    print(f"error: launcher process {pid} ({cmd.strip()[:80]}) is gone; stopping rank "
+                          f"{os.environ.get('RANK', '?')}", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(10)
+                    os._exit(1)
+            time.sleep(interval)
+
+    t = threading.Thread(target=watch, name="tdlm-launcher-watch", daemon=True)
+    t.start()
+    return t
