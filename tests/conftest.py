@@ -82,3 +82,61 @@ def one_thread():
 @pytest.fixture(params=["tiny-llada", "tiny-dream"])
 def backbone_name(request) -> str:
     return request.param
+
+
+# -- per-test time limits (pytest-timeout; `timeout` / `timeout_method` in pyproject.toml) -------------------
+SLOW_TIMEOUT_S = 1800.0  # slow tests launch DeepSpeed / Ray / the whole demo (its subprocess alone may take 1500 s)
+HARD_GRACE_S = 120.0  # the backstop below fires this long after a test's own limit
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow multi-process tests get SLOW_TIMEOUT_S unless they set their own ``@pytest.mark.timeout``."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+def _time_limit(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        value = marker.args[0] if marker.args else marker.kwargs["timeout"]
+    else:
+        value = item.config.getoption("timeout", None)
+        if value is None:
+            value = item.config.getini("timeout")
+    return float(value or 0)
+
+
+def _hard_timeout(item, limit: float) -> None:
+    import faulthandler
+    import sys
+
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:  # give fd 1 / 2 back to the terminal, as pytest-timeout's thread method does
+        capman.suspend_global_capture(in_=True)
+    sys.__stderr__.write(f"\n+++ TIMEOUT: {item.nodeid} still running after {limit:.0f} s (SIGALRM could not "
+                         f"interrupt it); stacks follow, then the run ends +++\n")  # fmt: skip
+    sys.__stderr__.flush()
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    sys.__stderr__.flush()
+    os._exit(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Backstop for pytest-timeout's SIGALRM: a hang inside C code never returns to the interpreter, so the
+    signal handler cannot run (and Math-Verify's own ``signal.alarm(0)`` cancels the timer for the rest of a test
+    that scores in-process). A watchdog thread then names the test, dumps every thread's stack and exits."""
+    import threading
+
+    limit = _time_limit(item)
+    timer = None
+    if limit > 0:
+        timer = threading.Timer(limit + HARD_GRACE_S, _hard_timeout, (item, limit + HARD_GRACE_S))
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()

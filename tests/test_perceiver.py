@@ -132,7 +132,7 @@ def test_policy_parsing():
     with pytest.raises(tdlm.TDLMError, match="recurrent"):
         tdlm.HistoryPolicy.parse("latent:2").parallel_mask(3)
     bb = tdlm.load_backbone("tiny-llada")
-    with pytest.raises(tdlm.TDLMError):
+    with pytest.raises(tdlm.TDLMError, match=r"history policy 'latent:0' not understood.*k, M >= 1"):
         tdlm.TDLM(bb, tdlm.TemporalConfig(history="latent:0"))
     with pytest.raises(tdlm.TDLMError, match="latent:M' only"):
         tdlm.TDLM(bb, tdlm.TemporalConfig(history="full", perceiver_heads=2))
