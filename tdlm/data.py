@@ -40,7 +40,8 @@ def verify_manifest(folder: str | Path) -> dict:
     """Training reads only what a finished generation wrote: ``manifest.json`` with status complete, every
     shard on disk listed in it, and each listed shard's sha256 equal to the one recorded when it was
     written. Returns the manifest."""
-    from tdlm.generation.store import FORMAT, MANIFEST, sha256_of
+    from tdlm.fingerprints import check_listed_files
+    from tdlm.generation.store import FORMAT, MANIFEST
 
     d = Path(folder)
     path = d / MANIFEST
@@ -60,18 +61,10 @@ def verify_manifest(folder: str | Path) -> dict:
         raise TDLMError(f"{path}: generation is not finished (status {m.get('status')!r}: {done} of "
                         f"{m.get('num_prompts', '?')} prompts in finished shards); rerun the same "
                         f"generate_trajectories command to complete it")
-    on_disk = {p.name for p in d.glob("shard-*.parquet")}
-    unlisted = sorted(on_disk - set(listed))
-    if unlisted:
-        raise TDLMError(f"{d / unlisted[0]}: not listed in {MANIFEST} ({len(unlisted)} unlisted shard(s)); "
-                        f"move it away or regenerate")
-    for name, entry in sorted(listed.items()):
-        shard = d / name
-        if not shard.exists():
-            raise TDLMError(f"{shard}: listed in {MANIFEST} but missing")
-        if entry.get("sha256") != sha256_of(shard):
-            raise TDLMError(f"{shard}: sha256 differs from {MANIFEST} (the file changed after generation wrote it); "
-                            f"delete it and rerun the generation command to recompute it")
+    check_listed_files(d, {name: e.get("sha256") for name, e in listed.items()},
+                       {p.name for p in d.glob("shard-*.parquet")}, MANIFEST,
+                       added="move it away or regenerate",
+                       changed="delete it and rerun the generation command to recompute it")
     return m
 
 

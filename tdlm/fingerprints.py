@@ -17,6 +17,22 @@ def sha256_file(path: Path, h: hashlib._Hash | None = None) -> hashlib._Hash:
     return h
 
 
+def check_listed_files(root: Path, listed: dict[str, str], present: set[str], listing: str, added: str,
+                       changed: str) -> None:
+    """Files named in a checksum list (relative name -> sha256) against the files ``present``: none added,
+    none missing, none changed; each refusal is one TDLMError naming the file (``added`` / ``changed``
+    say what to do)."""
+    extra = sorted(present - set(listed))
+    if extra:
+        raise TDLMError(f"{root / extra[0]}: not listed in {listing} ({len(extra)} unlisted file(s)); {added}")
+    for name, sha in sorted(listed.items()):
+        path = root / name
+        if not path.exists():
+            raise TDLMError(f"{path}: listed in {listing} but missing")
+        if sha256_file(path).hexdigest() != sha:
+            raise TDLMError(f"{path}: sha256 differs from {listing} (the file changed after it was written); {changed}")
+
+
 def backbone_fingerprint(name_or_path: str) -> str:
     """The preset name, or sha256 over config.json + weight file names/sizes.
 

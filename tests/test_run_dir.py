@@ -194,7 +194,7 @@ def test_checkpoint_files_are_verified_before_loading(tmp_path):
     with pytest.raises(TDLMError, match="mp_rank_00_model_states.pt: sha256 differs from SHA256SUMS.json"):
         newest_verified_tag(ckpt)
     (ckpt / "step-8" / "evil.pt").write_bytes(b"x")
-    with pytest.raises(TDLMError, match="evil.pt: not in SHA256SUMS.json"):
+    with pytest.raises(TDLMError, match="evil.pt: not listed in SHA256SUMS.json"):
         verify_checksums(ckpt / "step-8")
     # a save that never finished (no checksums yet) is skipped for the previous complete one
     (ckpt / "step-8" / "evil.pt").unlink()

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ from pathlib import Path
 
 from tdlm.config import to_dict
 from tdlm.errors import TDLMError
+from tdlm.fingerprints import check_listed_files, sha256_file
 from tdlm.training.config import RunConfig
 
 log = logging.getLogger("tdlm.training")
@@ -170,18 +170,14 @@ def keep_old_config(run_dir: Path, step: int) -> Path:
 
 
 # -- checkpoint checksums --------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def _files(tag_dir: Path) -> list[Path]:
+    return sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != SUMS)
 
 
 def write_checksums(tag_dir: Path) -> Path:
     """SHA256SUMS.json over every file of one checkpoint tag (after all ranks wrote theirs)."""
-    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != SUMS)
-    sums = {str(p.relative_to(tag_dir)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    sums = {str(p.relative_to(tag_dir)): {"sha256": sha256_file(p).hexdigest(), "bytes": p.stat().st_size}
+            for p in _files(tag_dir)}
     tmp = tag_dir / f"{SUMS}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps({"files": sums}, indent=1) + "\n")
     os.replace(tmp, tag_dir / SUMS)
@@ -194,18 +190,10 @@ def verify_checksums(tag_dir: Path) -> None:
         listed = json.loads((tag_dir / SUMS).read_text())["files"]
     except (OSError, json.JSONDecodeError, KeyError) as e:
         raise TDLMError(f"{tag_dir / SUMS}: unreadable checksum list ({e})") from e
-    on_disk = {str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != SUMS}
-    extra = sorted(on_disk - set(listed))
-    if extra:
-        raise TDLMError(f"{tag_dir / extra[0]}: not in {SUMS} (added after the checkpoint was written); "
-                        f"checkpoints are loaded with pickle, so unknown files are never read")
-    for name, entry in sorted(listed.items()):
-        path = tag_dir / name
-        if not path.exists():
-            raise TDLMError(f"{path}: listed in {SUMS} but missing")
-        if _sha256(path) != entry["sha256"]:
-            raise TDLMError(f"{path}: sha256 differs from {SUMS} (changed after the checkpoint was written); "
-                            f"refusing to load it (checkpoints are unpickled)")
+    check_listed_files(tag_dir, {name: e["sha256"] for name, e in listed.items()},
+                       {str(p.relative_to(tag_dir)) for p in _files(tag_dir)}, SUMS,
+                       added="checkpoints are loaded with pickle, so files added afterwards are never read",
+                       changed="refusing to load it (checkpoints are unpickled)")
 
 
 def newest_verified_tag(ckpt_dir: Path) -> str:
