@@ -18,6 +18,11 @@ Commands (from the repository root, venv active; benchmark files in ../shared/be
     python eval/run.py --backbone /data/LLaDA-8B-Instruct --adapter runs/llada-tdlm/adapter \\
         --thresholds 0.5 0.6 0.7 0.8 0.9 0.95 --output-dir runs/eval/llada-sweep --group pareto
 
+    # Fast-dLLM as published (threshold + dual KV cache) and TDLM with and without the cache
+    python eval/run.py --backbone /data/LLaDA-8B-Instruct --adapter runs/llada-tdlm/adapter \\
+        --policies original threshold tdlm --cache none dual --cache-policies threshold tdlm \\
+        --output-dir runs/eval/llada-cache --group cache
+
     # Table 2: history restriction of one adapter at inference
     python eval/run.py --backbone /data/LLaDA-8B-Instruct --adapter runs/llada-tdlm/adapter \\
         --policies original tdlm --history current last:1 last:3 last:5 full \\
@@ -50,7 +55,7 @@ import os
 import sys
 
 from tdlm.config import from_dict, load_yaml
-from tdlm.decoding import POLICIES
+from tdlm.decoding import CACHE_MODES, POLICIES
 from tdlm.errors import TDLMError
 from tdlm.evaluation import EvalConfig, evaluate
 from tdlm.tasks import TASK_NAMES
@@ -79,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "label defaults to the folder name")  # fmt: skip
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: the checkpoint's torch_dtype)")  # fmt: skip
+    g.add_argument("--allow-other-backbone", action="store_const", const=True,
+                   help="attach adapters although they were trained on another backbone (their recorded family, "
+                   "vocabulary or weight fingerprint differs); refused by default")  # fmt: skip
     g.add_argument("--device", help="device of the in-process worker (default: cuda if available, else cpu)")
     g = p.add_argument_group("tasks")
     g.add_argument("--tasks", nargs="+", choices=TASK_NAMES, help="benchmarks" + _d("tasks"))
@@ -98,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="H sweep of policy entropy" + _d("entropy_thresholds"))  # fmt: skip
     g.add_argument("--history", dest="histories", nargs="+",
                    help="tdlm history restriction(s): full, last:k, current (Table 2) (default: the adapter's own)")
+    g.add_argument("--cache", dest="caches", nargs="+", choices=CACHE_MODES,
+                   help="spatial KV cache(s), each its own run: none, prefix, dual (Fast-dLLM's prefix / dual cache)"
+                   + _d("caches"))  # fmt: skip
+    g.add_argument("--cache-policies", nargs="+", choices=POLICIES,
+                   help="policies run with each --cache (others run uncached) (default: every policy)")
     g.add_argument("--gen-length", type=int, help="response tokens" + _d("gen_length"))
     g.add_argument("--block-size", type=int, help="semi-autoregressive block size" + _d("block_size"))
     g.add_argument("--stop-at-eos", action="store_const", const=True,
@@ -121,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output and tracking")
     g.add_argument("--output-dir", help="where runs/, summary.json, table.md and pareto_*.png go (required)")
     g.add_argument("--group", help="W&B group = the comparison (default: the output dir's name)")
-    g.add_argument("--project", help="W&B project" + _d("project"))
+    g.add_argument("--project", help="W&B project (the training runs' project)" + _d("project"))
+    g.add_argument("--tags", nargs="+", help="extra W&B tags (backbone:, layers:, history:, policy: are always added)")
     g.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                    help="default: WANDB_MODE, else online with an API key, else offline")  # fmt: skip
     g.add_argument("--reference-tau", type=float,

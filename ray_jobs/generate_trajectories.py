@@ -55,7 +55,7 @@ import sys
 import datasets
 
 from tdlm.config import from_dict, load_yaml
-from tdlm.decoding import POLICIES, DecodeConfig
+from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.generation import GenerationConfig, generate
 
@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> GenerationConfig:
     g.add_argument("--backbone", default=None,
                    help="preset (tiny-llada, tiny-dream) or checkpoint folder (required, here or in --config)")
     g.add_argument("--adapter", default=None, help="TDLM adapter folder (TDLM.save_adapter); required by --policy tdlm")
+    g.add_argument("--allow-other-backbone", action="store_true",
+                   help="attach the adapter although it was trained on another backbone (refused by default)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights dtype (default: the checkpoint's torch_dtype)")  # fmt: skip
     g = p.add_argument_group("prompts")
@@ -112,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> GenerationConfig:
     g.add_argument("--gen-length", type=int, default=DecodeConfig.gen_length, help="response tokens")
     g.add_argument("--block-size", type=int, default=DecodeConfig.block_size, help="semi-autoregressive block size")
     g.add_argument("--stop-at-eos", action="store_true", help="stop a row once EOS is committed (paper: off)")
+    g.add_argument("--cache", default=DecodeConfig.cache, choices=CACHE_MODES,
+                   help="spatial KV cache: none, or Fast-dLLM's prefix / dual cache (tdlm/models/kv_cache.py)")
     g = p.add_argument_group("output")
     g.add_argument("--output-dir", default=None,
                    help="shards + manifest.json (absolute under ray job submit; required, here or in --config)")

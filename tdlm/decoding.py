@@ -15,7 +15,23 @@ receive their greedy token:
 
 Confidence is the softmax probability of the greedy token, computed in float64. Batches are
 left-padded with an attention mask; every row commits its own positions and counts its own NFE, and
-rows leave the batch when they finish, so a batched run equals per-sample runs.
+rows leave the batch when they finish, so a batched run equals per-sample runs. The LM head runs only
+on the active block's positions (the only logits read).
+
+Spatial KV cache (``cache``, :mod:`tdlm.models.kv_cache`; Fast-dLLM's ``generate_with_prefix_cache`` /
+``generate_with_dual_cache`` at temperature 0). ``none`` evaluates the whole canvas every time. With
+``prefix`` or ``dual`` the first evaluation of each block (per row) is a *refresh*: a full forward that
+stores every position's keys/values at every layer and commits by the policy's rule like any other
+evaluation (one NFE). Each later evaluation of the block computes only a window - ``prefix``: the block and
+everything after it; ``dual``: the block alone - attending to the cached keys/values of the other positions
+(Dream's window starts one position earlier: its block logits come from the hidden states to the left).
+Rows of one batch at a refresh and at a window step run as two forwards of one evaluation
+(:meth:`tdlm.TDLM.forward_groups`). Two deliberate differences from Fast-dLLM's code: the threshold rule
+keeps this repository's strict ``>`` (Eq. 6; Fast-dLLM tests ``>=``), and a block that its refresh already
+completes gets no further evaluation (Fast-dLLM runs one more cached forward there that commits nothing
+and counts it). With ``policy="tdlm"`` a masked position gains a history entry from an evaluation only if
+that evaluation computes it: every masked position at a refresh and at a ``prefix`` step, the active
+block's positions at a ``dual`` step.
 """
 
 from __future__ import annotations
@@ -28,8 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tdlm.errors import TDLMError
-from tdlm.model import TDLM
+from tdlm.model import TDLM, StepGroup
 from tdlm.models.common import Backbone
+from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
 
 POLICIES = ("original", "threshold", "tdlm", "entropy")
 
@@ -44,20 +61,30 @@ class DecodeConfig:
     threshold: float = 0.9  # tau of Eq. (6) for threshold / tdlm
     entropy_threshold: float = 0.5  # H for the entropy rule
     stop_at_eos: bool = False  # paper setting: no early stop
+    cache: str = "none"  # spatial KV cache: none | prefix | dual (Fast-dLLM; tdlm/models/kv_cache.py)
 
     def validate(self) -> DecodeConfig:
         if self.policy not in POLICIES:
             raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
+        check_cache_mode(self.cache)
         if self.gen_length < 1 or self.block_size < 1:
             raise TDLMError(f"gen_length and block_size must be >= 1; got {self.gen_length}, {self.block_size}")
         if self.gen_length % self.block_size:
+            divisors = [d for d in range(1, self.gen_length + 1) if self.gen_length % d == 0]
+            why = f" (cache {self.cache!r} refreshes at every block start)" if self.cache != "none" else ""
             raise TDLMError(
-                f"gen_length={self.gen_length} must be a multiple of block_size={self.block_size}"
+                f"gen_length={self.gen_length} must be a multiple of block_size={self.block_size}{why}; "
+                f"allowed block sizes: {', '.join(map(str, divisors))}"
             )
         return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The settings as a dict; ``cache`` only when one is used, so uncached settings read as before it existed
+        (run identities and trajectory ``decode_settings`` written earlier still match)."""
+        d = dataclasses.asdict(self)
+        if d["cache"] == "none":
+            del d["cache"]
+        return d
 
 
 @dataclass
@@ -97,6 +124,44 @@ def _select(
     return torch.where(none, top, sel)
 
 
+def _rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or rows is None else t[rows]
+
+
+def _groups(
+    kv_cache: SpatialKVCache | None,
+    kv_block: torch.Tensor,
+    active: torch.Tensor,
+    blk: torch.Tensor,
+    block_start: torch.Tensor,
+    bs: int,
+    L: int,
+    shift: int,
+) -> list[tuple[torch.Tensor | None, KVStep | None]]:
+    """(rows, KV step) of the forwards of one evaluation: one without a cache; with one, the rows whose
+    block starts (a refresh) and the rows inside a block (a window step), each group only if present."""
+    if kv_cache is None:
+        return [(None, None)]
+    refresh = kv_block[active] != blk
+    kv_block[active] = blk
+    if bool(refresh.all()):
+        return [(None, KVStep(kv_cache, True))]
+    if not bool(refresh.any()):
+        return [(None, KVStep.window(kv_cache, block_start, bs, L, shift))]
+    r1, r0 = refresh.nonzero().flatten(), (~refresh).nonzero().flatten()
+    return [(r1, KVStep(kv_cache, True, rows=r1)), (r0, KVStep.window(kv_cache, block_start[r0], bs, L, shift, r0))]
+
+
+def _merge_logits(groups: list, outs: list[torch.Tensor], b: int, bs: int) -> torch.Tensor:
+    """(b, bs, V) block logits from each group's selected (S_g, V) logits (each row selects its bs block positions)."""
+    if len(groups) == 1:
+        return outs[0].view(b, bs, -1)
+    merged = outs[0].new_empty((b, bs, outs[0].shape[-1]))
+    for (rows, _), out in zip(groups, outs, strict=True):
+        merged[rows] = out.view(rows.numel(), bs, -1)
+    return merged
+
+
 @torch.inference_mode()
 def decode(
     model: Backbone | TDLM,
@@ -125,6 +190,14 @@ def decode(
         backbone = model.backbone
     else:
         backbone = model.backbone if isinstance(model, TDLM) else model
+    if cfg.cache != "none":
+        if not getattr(backbone, "supports_kv_cache", False):
+            raise TDLMError(f"cache={cfg.cache!r}: backbone {type(backbone).__name__} has no spatial KV cache path; "
+                            f"allowed caches for it: none (with a cache: {', '.join(CACHE_MODES[1:])} on LLaDA, "
+                            f"Dream)")  # fmt: skip
+        if cfg.cache == "dual" and cfg.policy == "tdlm" and model.policy.recurrent:
+            raise TDLMError(f"cache='dual' cannot serve history {model.policy} (its latents keep one progress count "
+                            f"per request); allowed caches with it: none, prefix")  # fmt: skip
     if not prompts:
         return []
     bad = [i for i, p in enumerate(prompts) if len(p) == 0]
@@ -149,6 +222,8 @@ def decode(
     states: list[list[list[int]]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)
     cache = model.new_cache(B) if cfg.policy == "tdlm" else None
+    kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
+    kv_block = torch.full((B,), -1, dtype=torch.long, device=device)  # the block each row's KV cache holds
     pos_block = torch.arange(G, device=device) // bs  # (G,)
     stop_t = torch.tensor(sorted(stops), device=device)
     bar = None
@@ -164,11 +239,6 @@ def decode(
         if record_states:
             for r, row in zip(active.tolist(), x[:, P:].tolist(), strict=True):
                 states[r].append(row)
-        if cache is not None:
-            logits = model.forward_step(x, P, cache, attention_mask=a_mask)
-        else:
-            logits = backbone(x, attention_mask=a_mask)
-        nfe[active] += 1
         resp = x[:, P:]  # (b, G)
         masked = resp == mask_id
         blk = masked.int().argmax(1)  # first masked position ...
@@ -176,7 +246,17 @@ def decode(
         start = blk * bs
         idx = start[:, None] + torch.arange(bs, device=device)  # (b, bs) response positions of the block
         cand = masked.gather(1, idx)
-        blk_logits = logits[:, P:].gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))  # (b, bs, V)
+        select = torch.zeros_like(x, dtype=torch.bool).scatter_(1, P + idx, True)  # the logits read
+        groups = _groups(kv_cache, kv_block, active, blk, P + start, bs, L, backbone.logit_shift)
+        if cache is not None:
+            outs = model.forward_groups(P, cache, [
+                StepGroup(_rows(x, r), _rows(a_mask, r), _rows(select, r), step, r) for r, step in groups
+            ])  # fmt: skip
+        else:
+            outs = [backbone(_rows(x, r), attention_mask=_rows(a_mask, r), select=_rows(select, r), kv=step)
+                    for r, step in groups]  # fmt: skip
+        blk_logits = _merge_logits(groups, outs, x.shape[0], bs)  # (b, bs, V)
+        nfe[active] += 1
         logp = torch.log_softmax(blk_logits.double(), dim=-1)
         conf, x0 = logp.max(-1)
         conf = conf.exp()  # float64 probability of the greedy token
@@ -212,6 +292,8 @@ def decode(
             active = active[keep]
             if cache is not None and active.numel():
                 cache.select(keep)
+            if kv_cache is not None and active.numel():
+                kv_cache.select(keep)
     if bar is not None:
         bar.close()
     results = []

@@ -55,13 +55,12 @@ def backbone_fingerprint(name_or_path: str) -> str:
 
 def adapter_fingerprint(directory: str) -> str:
     """sha256 over the adapter's two files (small: the temporal weights only)."""
-    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from tdlm.model import ADAPTER_WEIGHTS, adapter_config_path
 
     h = hashlib.sha256()
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        p = Path(directory) / name
+    for p in (adapter_config_path(directory), Path(directory) / ADAPTER_WEIGHTS):  # config: either file name
         if not p.exists():
-            raise TDLMError(f"{directory}: missing {name} (expected a folder written by TDLM.save_adapter)")
+            raise TDLMError(f"{directory}: missing {p.name} (expected a folder written by TDLM.save_adapter)")
         sha256_file(p, h)
     return f"sha256:{h.hexdigest()}"
 

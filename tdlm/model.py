@@ -55,11 +55,15 @@ from tdlm.adapter import TemporalAttention, resolve_layers, sink_softmax, tempor
 from tdlm.errors import TDLMError
 from tdlm.history import HistoryPolicy, LatentCache, TemporalCache
 from tdlm.models.common import Backbone, ForwardContext
+from tdlm.models.kv_cache import KVStep
 from tdlm.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_count
 
 ADAPTER_FORMAT_VERSION = 1
 ADAPTER_WEIGHTS = "adapter.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG = "tdlm_adapter.json"
+# Adapters written before the rename used PEFT's file name (Hub tooling took them for PEFT adapters); they still
+# load, and nothing writes that name any more.
+ADAPTER_CONFIG_LEGACY = "adapter_config.json"
 ALIGNMENTS = ("prediction", "input")
 
 
@@ -109,6 +113,54 @@ class TemporalConfig:
                 f"perceiver heads and head_dim must be >= 1; got {out.perceiver_heads} x {out.perceiver_head_dim}"
             )
         return out
+
+
+@dataclass
+class StepGroup:
+    """Rows of one step-wise evaluation that one forward computes (see :meth:`TDLM.forward_groups`)."""
+
+    input_ids: torch.Tensor  # (b, L)
+    attention_mask: torch.Tensor | None = None
+    select: torch.Tensor | None = None  # (b, L) bool: return only these positions' logits
+    kv: KVStep | None = None  # spatial KV cache use (refresh or window step)
+    rows: torch.Tensor | None = None  # indices of these rows in the cache's batch; None = all, in order
+
+
+def _merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor]], B: int) -> torch.Tensor:
+    """Tensors (b_g, ...) of row groups -> (B, ...); a single group of all rows is returned as is."""
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1]
+    first = parts[0][1]
+    out = first.new_empty((B, *first.shape[1:]))
+    for rows, t in parts:
+        out[rows] = t
+    return out
+
+
+def _history_rows(t: torch.Tensor, rows: torch.Tensor | None, j: torch.Tensor | None) -> torch.Tensor:
+    """History entries t (B, H, N, ...) of ``rows`` (None: all) at response positions ``j`` (b, W) (None: all N)."""
+    if j is None:
+        return t if rows is None else t[rows]
+    b, W = j.shape
+    ri = torch.arange(b, device=j.device) if rows is None else rows
+    hi = torch.arange(t.shape[1], device=j.device)
+    return t[ri[:, None, None], hi[None, :, None], j[:, None, :]]  # (b, H, W, ...)
+
+
+def _merge_entries(parts: list, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This evaluation's entry of one layer, (B, N, M, dh) keys/values and (B, N) validity, from the groups'
+    parts (rows, slots, k, v, valid); positions a window did not compute stay invalid (zero keys/values)."""
+    if len(parts) == 1 and parts[0][0] is None and parts[0][1] is None:
+        return parts[0][2], parts[0][3], parts[0][4]
+    k0 = parts[0][2]
+    K = k0.new_zeros((B, N + 1, *k0.shape[2:]))  # column N: where window rows outside the response land
+    V = torch.zeros_like(K)
+    valid = torch.zeros((B, N + 1), dtype=torch.bool, device=k0.device)
+    for rows, slots, k, v, m in parts:
+        ri = (torch.arange(k.shape[0], device=k.device) if rows is None else rows)[:, None]
+        cols = torch.arange(N, device=k.device)[None] if slots is None else slots[2]
+        K[ri, cols], V[ri, cols], valid[ri, cols] = k, v, m
+    return K[:, :N], V[:, :N], valid[:, :N]
 
 
 class TDLM(nn.Module):
@@ -238,8 +290,9 @@ class TDLM(nn.Module):
         attention_mask: torch.Tensor | None,
         insert,
         select: torch.Tensor | None = None,
+        kv: KVStep | None = None,
     ) -> torch.Tensor:
-        x, ctx = self.backbone.prepare(input_ids, attention_mask)
+        x, ctx = self.backbone.prepare(input_ids, attention_mask, kv)
         first = self.layer_ids[0]
         # Below the lowest temporal layer nothing depends on temporal parameters: no autograd there.
         with torch.no_grad():
@@ -327,91 +380,163 @@ class TDLM(nn.Module):
         cache: TemporalCache,
         attention_mask: torch.Tensor | None = None,
         select: torch.Tensor | None = None,
+        kv: KVStep | None = None,
     ) -> torch.Tensor:
         """Logits (B, L, V) for one evaluation; retrieves from and appends to ``cache``.
 
-        ``select`` (B, L) bool returns only those positions' logits, (S, V) in row-major order.
+        ``select`` (B, L) bool returns only those positions' logits, (S, V) in row-major order. ``kv``
+        uses the backbone's spatial KV cache (:mod:`tdlm.models.kv_cache`): a refresh, or a window step
+        (which needs ``select``); see :meth:`forward_groups` for what enters the temporal history then.
         """
-        self.backbone.check_input_ids(input_ids)
-        B, L = input_ids.shape
+        return self.forward_groups(prompt_len, cache, [StepGroup(input_ids, attention_mask, select, kv)])[0]
+
+    def forward_groups(self, prompt_len: int, cache: TemporalCache, groups: list[StepGroup]) -> list[torch.Tensor]:
+        """One evaluation of a batch whose rows are computed by separate forwards, one per group.
+
+        Decoding with a spatial KV cache splits a batch into the rows that refresh (a full forward) and
+        the rows that run a window step. Every group reads the history as it was before this evaluation;
+        the entries of all groups are appended once, then the evaluation is committed, so a split batch
+        is the same evaluation as an unsplit one. Returns each group's logits.
+
+        History rule with a spatial KV cache: a masked response position gets an entry (and its
+        temporal correction, Eq. 2) in an evaluation only if that evaluation computes its hidden state -
+        every masked position at a refresh and at a ``prefix`` step, only the active block at a ``dual``
+        step (under prediction alignment the hidden state at p - offset stands for token p). Positions
+        not computed get an invalid entry, which attention masks out (A_{p,i,j} of Section 2.3 with
+        m_{j,p} = 0), so a zero W_O still gives the backbone with the same cache bit for bit (Prop. 1).
+        """
+        if not groups:
+            raise TDLMError("forward_groups needs at least one group of rows")
+        for g in groups:
+            self.backbone.check_input_ids(g.input_ids)
+        L = groups[0].input_ids.shape[1]
         self._check_prompt_len(prompt_len, L)
-        N = L - prompt_len
-        cache.check(B, prompt_len, N)
-        masked = self._masked(input_ids, prompt_len)  # (B, N)
-        r = (~masked).sum(-1)  # (B,)
-        mcol = masked.unsqueeze(-1)
+        if len(groups) > 1 and any(g.rows is None for g in groups):
+            raise TDLMError("forward_groups with several groups needs each group's rows (indices into the batch)")
+        B = sum(g.input_ids.shape[0] for g in groups)
+        cache.check(B, prompt_len, L - prompt_len)
+        masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
         if self.policy.recurrent:
             if not isinstance(cache, LatentCache):
                 raise TDLMError(f"history {self.policy} needs a latent cache; create it with model.new_cache(B)")
-            return self._latent_step(input_ids, prompt_len, cache, attention_mask, masked, r, select)
+            if any(g.kv is not None and not g.kv.refresh and g.kv.cache.mode == "dual" for g in groups):
+                raise TDLMError(f"cache 'dual' cannot serve history {self.policy} (its latents keep one progress "
+                                f"count per request); allowed caches: none, prefix")  # fmt: skip
+            return self._latent_step(prompt_len, cache, groups, masked)
+        pending: dict[int, list] = {}
+        logits = [self._entry_group(g, prompt_len, cache, pending) for g in groups]
+        N = L - prompt_len
+        for layer, parts in pending.items():
+            cache.append(layer, *_merge_entries(parts, B, N))
+        cache.commit(masked)
+        return logits
+
+    def _slots(self, kv: KVStep | None, prompt_len: int, L: int):
+        """For a window step: (j, inside, dump) (b, W) - the response position j each window row stands for,
+        whether it is one, and j with N for the others (a scatter target dropped afterwards). None otherwise."""
+        if kv is None or kv.refresh:
+            return None
+        N = L - prompt_len
+        j = kv.positions() + self.offset - prompt_len
+        inside = (j >= 0) & (j < N)
+        return j.clamp(0, N - 1), inside, torch.where(inside, j, N)
+
+    def _entry_group(self, g: StepGroup, prompt_len: int, cache: TemporalCache, pending: dict) -> torch.Tensor:
+        """One group's forward under an entry-based history; its entries go to ``pending`` (appended later)."""
+        masked = self._masked(g.input_ids, prompt_len)  # (b, N)
+        r = (~masked).sum(-1)  # (b,)
+        slots = self._slots(g.kv, prompt_len, g.input_ids.shape[1])
+        m = masked if slots is None else slots[1] & masked.gather(1, slots[0])  # masked and computed
+        mcol = m.unsqueeze(-1)
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
             if mod is None:
                 return h
-            a, b = self._slice(h, prompt_len)
-            hr = h[:, a:b]  # (B, N, d)
-            q, k, v = mod.project(hr, r[:, None])  # (B, N, M, dh)
-            if self.policy.kind == "current":
-                keys, values, valid = k[:, None], v[:, None], masked[:, None]
+            if slots is None:
+                a, b = self._slice(h, prompt_len)
+                hr = h[:, a:b]  # (b, N, d)
             else:
+                hr = h  # (b, W, d): the window
+            q, k, v = mod.project(hr, r[:, None])  # (b, N or W, M, dh)
+            if self.policy.kind == "current":
+                keys, values, valid = k[:, None], v[:, None], m[:, None]
+            else:
+                pending.setdefault(layer, []).append((g.rows, slots, k, v, m))
                 vis = cache.visible(layer)
-                cache.append(layer, k, v, masked)
                 if vis is None:
                     return h  # cold start: only the zero-value sink (Prop. 1)
-                keys, values, valid = vis  # (B, H, N, M, dh), (B, H, N)
+                j = None if slots is None else slots[0]
+                keys, values = _history_rows(vis[0], g.rows, j), _history_rows(vis[1], g.rows, j)
+                valid = _history_rows(vis[2], g.rows, j)  # (b, H, N or W)
+                if slots is not None:
+                    valid = valid & slots[1][:, None]
             scores = torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5  # (B, N, M, H)
             w = sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink)
             z = torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values)  # (B, N, M, dh)
             delta = mod.output(z, h) * mcol
-            return self._splice(h, a, b, hr + delta)
+            return self._splice(h, a, b, hr + delta) if slots is None else hr + delta
 
-        logits = self._run(input_ids, attention_mask, insert, select)
-        cache.commit(masked)
-        return logits
+        return self._run(g.input_ids, g.attention_mask, insert, g.select, g.kv)
 
     def _latent_step(
-        self,
-        input_ids: torch.Tensor,
-        prompt_len: int,
-        cache: LatentCache,
-        attention_mask: torch.Tensor | None,
-        masked: torch.Tensor,
-        r: torch.Tensor,
-        select: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, prompt_len: int, cache: LatentCache, groups: list[StepGroup], masked: torch.Tensor
+    ) -> list[torch.Tensor]:
         """One evaluation under ``latent:M``: read the latents, correct (Eq. 2), fold in h (Perceiver)."""
-        B, N = masked.shape
+        B = masked.shape[0]
         # Read from a snapshot and write into a per-call dict, so that a checkpointed layer recomputed
         # during backward sees this step's latents and cannot overwrite a later step's cache.
         lat_in = dict(cache.latents)
-        r_lat = cache.progress(input_ids.device)[:, None, None]  # (B, 1, 1) -> over (N, M)
-        lat_out: dict[int, torch.Tensor] = {}
-        mcol = masked.unsqueeze(-1)
+        r_all = cache.progress(masked.device)  # (B,)
+        lat_out: dict[int, list] = {}
+        logits = [self._latent_group(g, prompt_len, lat_in, r_all, lat_out) for g in groups]
+        cache.write({layer: _merge_rows(parts, B) for layer, parts in lat_out.items()})
+        cache.commit(masked)
+        return logits
+
+    def _latent_group(
+        self, g: StepGroup, prompt_len: int, lat_in: dict, r_all: torch.Tensor, lat_out: dict
+    ) -> torch.Tensor:
+        input_ids = g.input_ids
+        Bg, L = input_ids.shape
+        N = L - prompt_len
+        masked = self._masked(input_ids, prompt_len)
+        r = (~masked).sum(-1)
+        r_lat = (r_all if g.rows is None else r_all[g.rows])[:, None, None]  # (b, 1, 1) -> over (N, M)
+        slots = self._slots(g.kv, prompt_len, L)
+        m = masked if slots is None else slots[1] & masked.gather(1, slots[0])  # masked and computed
+        mcol = m.unsqueeze(-1)
+        ar = torch.arange(Bg, device=input_ids.device)[:, None]
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
             if mod is None:
                 return h
-            a, b = self._slice(h, prompt_len)
-            hr = h[:, a:b]  # (B, N, d): h_{l,p}(S_i), before the correction
+            if slots is None:
+                a, b = self._slice(h, prompt_len)
+                hr = h[:, a:b]  # (b, N, d): h_{l,p}(S_i), before the correction
+            else:
+                hr = h  # (b, W, d): the window
             lat = lat_in.get(layer)
             if lat is None:
-                lat = mod.memory.initial(B, N)  # (B, N, M, d) learned initial latents
-            q = mod.project_query(hr, r[:, None])  # (B, N, H, dh), rotated by r_i
-            k, v = mod.project_key_value(lat, r_lat)  # (B, N, M, H, dh), keys rotated by r_last
-            scores = torch.einsum("bnhd,bnjhd->bnhj", q, k) / mod.head_dim**0.5  # (B, N, H, M)
+                lat = mod.memory.initial(Bg, N)  # (b, N, M, d) learned initial latents
+            elif g.rows is not None:
+                lat = lat[g.rows]
+            lat_w = lat if slots is None else lat[ar, slots[0]]  # (b, N or W, M, d)
+            q = mod.project_query(hr, r[:, None])  # (b, N, H, dh), rotated by r_i
+            k, v = mod.project_key_value(lat_w, r_lat)  # (b, N, M, H, dh), keys rotated by r_last
+            scores = torch.einsum("bnhd,bnjhd->bnhj", q, k) / mod.head_dim**0.5  # (b, N, H, M)
             every = torch.ones((), dtype=torch.bool, device=scores.device).expand(scores.shape)
             w = sink_softmax(scores, every, mod.sink)  # Eq. 8-9 over M latents + sink
-            z = torch.einsum("bnhj,bnjhd->bnhd", w.to(v.dtype), v)  # (B, N, H, dh)
+            z = torch.einsum("bnhj,bnjhd->bnhd", w.to(v.dtype), v)  # (b, N, H, dh)
             delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
-            lat_out[layer] = mod.memory.update(lat, hr, masked)  # u + Perceiver(u, [h]) where masked
-            return self._splice(h, a, b, hr + delta)
+            new = mod.memory.update(lat_w, hr, m)  # u + Perceiver(u, [h]) where masked (and computed)
+            if slots is not None:  # write the window's latents back; other positions keep theirs
+                new = torch.cat([lat, lat[:, :1]], 1).index_put((ar, slots[2]), new)[:, :N]
+            lat_out.setdefault(layer, []).append((g.rows, new))
+            return self._splice(h, a, b, hr + delta) if slots is None else hr + delta
 
-        logits = self._run(input_ids, attention_mask, insert, select)
-        cache.write(lat_out)
-        cache.commit(masked)
-        return logits
+        return self._run(input_ids, g.attention_mask, insert, g.select, g.kv)
 
     def forward(self, input_ids: torch.Tensor, prompt_len: int, cache: TemporalCache | None = None, **kw):
         if cache is None:
@@ -439,6 +564,8 @@ class TDLM(nn.Module):
             "alignment": self.config.alignment,
             "num_parameters": self.num_temporal_parameters(),
             **({"perceiver": self._perceiver_config()} if self.num_latents else {}),
+            # the run that trained it (recipe, teacher, run folder, W&B run), kept through load and save
+            **({"training": self.training_record} if getattr(self, "training_record", None) else {}),
         }
 
     def _perceiver_config(self) -> dict:
@@ -454,7 +581,7 @@ class TDLM(nn.Module):
         return {f"temporal.{k}": v.detach().cpu().contiguous() for k, v in self.temporal.state_dict().items()}
 
     def save_adapter(self, directory: str | os.PathLike) -> Path:
-        """Write ``adapter.safetensors`` + ``adapter_config.json`` (no backbone weights)."""
+        """Write ``adapter.safetensors`` + ``tdlm_adapter.json`` (no backbone weights)."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         save_file(self.adapter_state_dict(), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -476,10 +603,9 @@ class TDLM(nn.Module):
         ``allow_other_backbone``.
         """
         d = Path(directory)
-        cfg_path, w_path = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
-        for p in (cfg_path, w_path):
-            if not p.exists():
-                raise TDLMError(f"{d}: missing {p.name} (expected a folder written by TDLM.save_adapter)")
+        cfg_path, w_path = adapter_config_path(d), d / ADAPTER_WEIGHTS
+        if not w_path.exists():
+            raise TDLMError(f"{d}: missing {w_path.name} (expected a folder written by TDLM.save_adapter)")
         try:
             raw = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as e:
@@ -535,7 +661,7 @@ class TDLM(nn.Module):
         expected = model.adapter_state_dict()
         if set(state) != set(expected):
             extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-            raise TDLMError(f"{w_path}: tensors do not match adapter_config.json (missing {missing}, extra {extra})")
+            raise TDLMError(f"{w_path}: tensors do not match {cfg_path.name} (missing {missing}, extra {extra})")
         for k, t in state.items():
             if t.shape != expected[k].shape:
                 raise TDLMError(
@@ -544,7 +670,52 @@ class TDLM(nn.Module):
                     f"{tuple(expected[k].shape)}"
                 )
         model.temporal.load_state_dict({k.removeprefix("temporal."): v for k, v in state.items()})
+        model.training_record = raw.get("training")
         return model
+
+    # -- Hugging Face Hub (tdlm/hub.py) ------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, backbone: Backbone | str, source: str | os.PathLike, history: str | None = None,
+                        allow_other_backbone: bool = False, **hub) -> TDLM:
+        """``from_adapter`` on a local folder or a Hub repo id (``huggingface_hub.snapshot_download``; offline with
+        ``HF_HUB_OFFLINE``). ``backbone``: a Backbone, or a name for ``tdlm.load_backbone``. ``hub``: revision,
+        cache_dir, token, local_files_only, dtype, device."""
+        from tdlm.hub import from_pretrained
+
+        return from_pretrained(backbone, source, history, allow_other_backbone, cls=cls, **hub)
+
+    def save_pretrained(self, directory: str | os.PathLike, evaluations=(), repo_id: str | None = None) -> Path:
+        """The adapter files plus a generated model card (README.md; its evaluation table from ``evaluations``,
+        evaluation output dirs whose runs decoded these weights)."""
+        from tdlm.hub import save_pretrained
+
+        return save_pretrained(self, directory, evaluations, repo_id)
+
+    def push_to_hub(self, repo_id: str, evaluations=(), **kw):
+        """``save_pretrained`` into a temporary folder and ``HfApi.upload_folder`` it (the repo is created if
+        missing). ``kw``: private, token, commit_message, revision, create_pr. Returns the ``CommitInfo``."""
+        from tdlm.hub import push_to_hub
+
+        return push_to_hub(self, repo_id, evaluations, **kw)
+
+
+def adapter_config_path(directory: str | os.PathLike) -> Path:
+    """The adapter's config file: ``tdlm_adapter.json``, or PEFT's name ``adapter_config.json`` in folders written
+    before the rename (a real PEFT adapter there is refused by name)."""
+    d = Path(directory)
+    if (d / ADAPTER_CONFIG).exists():
+        return d / ADAPTER_CONFIG
+    legacy = d / ADAPTER_CONFIG_LEGACY
+    if legacy.exists():
+        try:
+            raw = json.loads(legacy.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return legacy  # the reader reports the invalid JSON, naming the file
+        if isinstance(raw, dict) and "peft_type" in raw:
+            raise TDLMError(f"{legacy}: a PEFT adapter (peft_type={raw['peft_type']!r}), not a TDLM adapter "
+                            f"(expected {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS} written by TDLM.save_adapter)")
+        return legacy
+    raise TDLMError(f"{d}: missing {ADAPTER_CONFIG} (expected a folder written by TDLM.save_adapter)")
 
 
 def backbone_identity(backbone: Backbone) -> str | None:

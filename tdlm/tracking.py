@@ -60,8 +60,17 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class NullTracker:
+    run = None
+    record: dict[str, Any] = {}
+
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
+
+    def log_adapter(self, adapter_dir: str | Path, metadata: dict | None = None) -> str | None:
+        return None
+
+    def use_adapter(self, adapter_dir: str | Path, training_run_id: str | None) -> str | None:
+        return None
 
     def truncate(self, step: int) -> None:
         pass
@@ -70,22 +79,109 @@ class NullTracker:
         pass
 
 
+MAX_TAG_LEN = 64  # W&B refuses longer tags
+ADAPTER_ARTIFACT_TYPE = "tdlm-adapter"
+RUN_RECORD = "wandb_run.json"  # the W&B run's identity, next to the local metrics
+
+
+def tag(key: str, value: object) -> str:
+    """``key:value`` cut to W&B's tag length (a backbone path keeps its last part)."""
+    text = str(value)
+    if "/" in text and len(f"{key}:{text}") > MAX_TAG_LEN:
+        text = text.rstrip("/").rsplit("/", 1)[-1]
+    return f"{key}:{text}"[:MAX_TAG_LEN]
+
+
+def run_tags(backbone: str | None, allocation: object = None, history: str | None = None,
+             extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The tags every training and evaluation run carries: ``backbone:``, ``layers:`` (the allocation spec, or the
+    indices), ``history:``; then ``extra``. Duplicates dropped, order kept."""
+    out = []
+    if backbone:
+        out.append(tag("backbone", backbone))
+    if allocation is not None:
+        layers = ",".join(map(str, allocation)) if isinstance(allocation, list | tuple) else allocation
+        out.append(tag("layers", layers))
+    if history:
+        out.append(tag("history", history))
+    out += [str(t)[:MAX_TAG_LEN] for t in extra]
+    return list(dict.fromkeys(out))
+
+
+def adapter_artifact_name(training_run_id: str) -> str:
+    """The W&B artifact an adapter is logged as by the run that trained it (``tdlm-adapter-<run id>``)."""
+    return f"{ADAPTER_ARTIFACT_TYPE}-{training_run_id}"
+
+
+def _adapter_artifact(adapter_dir: str | Path, name: str, metadata: dict | None = None):
+    """The adapter's two files (config + weights; a model card beside them is not part of the artifact)."""
+    import wandb
+
+    from tdlm.model import ADAPTER_WEIGHTS, adapter_config_path
+
+    art = wandb.Artifact(name, type=ADAPTER_ARTIFACT_TYPE, metadata=metadata or {})
+    cfg = adapter_config_path(adapter_dir)
+    art.add_file(str(cfg), name=cfg.name)
+    art.add_file(str(Path(adapter_dir) / ADAPTER_WEIGHTS), name=ADAPTER_WEIGHTS)
+    return art
+
+
 class Tracker(NullTracker):
-    """Appends metrics to ``<run_dir>/metrics.jsonl`` and mirrors them to a W&B run."""
+    """Appends metrics to ``<run_dir>/metrics.jsonl`` and mirrors them to a W&B run.
+
+    ``wandb_run.json`` beside them records the W&B run's id, project, group, name, tags and job type, and
+    the artifacts it logged or used, so a comparison (and a later evaluation) can name the run without a W&B
+    server.
+    """
 
     def __init__(self, run_dir: str | Path, project: str, group: str | None, name: str | None,
-                 config: dict, mode: str | None = None, job_type: str = "train") -> None:
+                 config: dict, mode: str | None = None, job_type: str = "train",
+                 tags: list[str] | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.run = None
+        self.record: dict[str, Any] = {}
         m = wandb_mode(mode)
         if m != "disabled":
             import wandb
 
             os.environ.setdefault("WANDB_DIR", str(self.dir))
             self.run = wandb.init(project=project, group=group, name=name, config=config, mode=m,
-                                  job_type=job_type, dir=str(self.dir), reinit="finish_previous")
+                                  job_type=job_type, dir=str(self.dir), reinit="finish_previous",
+                                  tags=list(tags or []))
+            self.record = {"id": self.run.id, "project": project, "group": group, "name": name,
+                           "job_type": job_type, "tags": list(tags or []), "mode": m,
+                           "url": getattr(self.run, "url", None) if m == "online" else None,
+                           "artifacts_logged": [], "artifacts_used": []}
+            self._write_record()
+
+    def _write_record(self) -> None:
+        tmp = self.dir / f"{RUN_RECORD}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(self.record, indent=2) + "\n")
+        os.replace(tmp, self.dir / RUN_RECORD)
+
+    def log_adapter(self, adapter_dir: str | Path, metadata: dict | None = None) -> str | None:
+        """Log the adapter folder as artifact ``tdlm-adapter-<this run's id>``; returns its name."""
+        if self.run is None:
+            return None
+        name = adapter_artifact_name(self.run.id)
+        self.run.log_artifact(_adapter_artifact(adapter_dir, name, metadata))
+        self.record["artifacts_logged"].append(name)
+        self._write_record()
+        return name
+
+    def use_adapter(self, adapter_dir: str | Path, training_run_id: str | None) -> str | None:
+        """Declare the adapter this (evaluation) run reads as an input artifact, so W&B links it to the run that
+        trained it. Online only: W&B cannot record artifact use offline (``trained_by`` in the config says it)."""
+        if self.run is None or not training_run_id:
+            return None
+        name = adapter_artifact_name(training_run_id)
+        if self.record.get("mode") == "online":
+            self.run.use_artifact(_adapter_artifact(adapter_dir, name))  # same files -> the logged version
+            self.record["artifacts_used"].append(name)
+            self._write_record()
+        return name
 
     def truncate(self, step: int) -> None:
         """Drop records after ``step`` (a resumed run rewrites them)."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tdlm
+from tdlm.model import ADAPTER_CONFIG
 
 
 def test_adapter_round_trip(tmp_path):
@@ -18,7 +19,7 @@ def test_adapter_round_trip(tmp_path):
             mod.o_proj.weight.normal_()
             mod.sink.fill_(0.7)
     out = model.save_adapter(tmp_path / "ad")
-    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
     assert cfg["layers"] == [1, 2] and cfg["heads"] == 2 and cfg["head_dim"] == 8
     assert cfg["backbone"]["hidden_size"] == 64 and cfg["backbone"]["id"] == "tiny-llada"
     again = tdlm.TDLM.from_adapter(tdlm.load_backbone("tiny-llada"), out)
@@ -49,12 +50,12 @@ def test_adapter_on_wrong_backbone_fails_clearly(tmp_path):
                                              r"'dream'\).*allow_other_backbone=True"):
         tdlm.TDLM.from_adapter(other, out)
     # ... and then heads x head_dim must still match the tensors
-    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
     cfg["heads"] = 4
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(cfg))
     with pytest.raises(tdlm.TDLMError, match="heads=4 x head_dim=16"):
         tdlm.TDLM.from_adapter(other, out, allow_other_backbone=True)
-    with pytest.raises(tdlm.TDLMError, match="missing adapter_config.json"):
+    with pytest.raises(tdlm.TDLMError, match=f"missing {ADAPTER_CONFIG}"):
         tdlm.TDLM.from_adapter(other, tmp_path)
 
 
@@ -71,15 +72,15 @@ def test_adapter_refuses_a_same_shape_backbone_with_other_weights(tmp_path):
     sizes = [sorted(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("base", "instruct")]
     assert sizes[0] == sizes[1]
     out = tdlm.TDLM(base).save_adapter(tmp_path / "ad")
-    assert json.loads((out / "adapter_config.json").read_text())["backbone"]["fingerprint"] == base.weight_fingerprint
+    assert json.loads((out / ADAPTER_CONFIG).read_text())["backbone"]["fingerprint"] == base.weight_fingerprint
     tdlm.TDLM.from_adapter(tdlm.load_backbone(str(tmp_path / "base")), out)  # the same weights: fine
     with pytest.raises(tdlm.TDLMError, match=r"fingerprint='w1:[0-9a-f]+' \(this backbone: 'w1:"):
         tdlm.TDLM.from_adapter(instruct, out)
     tdlm.TDLM.from_adapter(instruct, out, allow_other_backbone=True)
     # an adapter written before fingerprints existed still loads
-    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg = json.loads((out / ADAPTER_CONFIG).read_text())
     del cfg["backbone"]["fingerprint"]
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(cfg))
     tdlm.TDLM.from_adapter(instruct, out)
 
 

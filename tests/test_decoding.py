@@ -20,10 +20,14 @@ def sharp_backbone(name: str = "tiny-llada", scale: float = 60.0):
 
 
 def live_tdlm(bb, history: str = "full", seed: int = 0) -> tdlm.TDLM:
+    """Every temporal weight from a seeded generator (W_Q/W_K/W_V were left to the global RNG, so each
+    process decoded with another adapter and the tests saw a different trajectory per run)."""
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.temporal.values():
+            for lin in (mod.q_proj, mod.k_proj, mod.v_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.in_features**0.5)
             mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.5)
     return model
 

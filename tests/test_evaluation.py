@@ -445,3 +445,28 @@ def test_cli_error_is_one_line(tmp_path, capsys):
     assert err[-1] == "error: policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)"
     assert run_cli.main(args[:-2] + ["--backbone", str(tmp_path / "missing")]) == 2
     assert "unknown backbone" in capsys.readouterr().err
+
+
+def test_an_adapter_from_another_backbone_is_refused_unless_allowed(tmp_path):
+    # Same architecture, other weights (a Base adapter on an Instruct model): the evaluation refuses the adapter
+    # (one line naming it) unless allow_other_backbone / --allow-other-backbone.
+    import shutil
+
+    from tdlm.models.loading import _resolve_folder
+
+    shutil.copytree(_resolve_folder("tiny-arith"), tmp_path / "other")  # tokenizer files come along
+    other = tdlm.load_backbone("tiny-arith", dtype="float32")
+    with torch.no_grad():
+        other.blocks[0].q_proj.weight.add_(0.01)
+    for f in (tmp_path / "other").glob("*.safetensors*"):
+        f.unlink()
+    tdlm.save_pretrained(other, tmp_path / "other")
+    adapter = tdlm.TDLM(tdlm.load_backbone("tiny-arith", dtype="float32"),
+                        tdlm.TemporalConfig(layers="dispersed:2", heads=2, head_dim=8)).save_adapter(tmp_path / "ad")
+    cfg = cfg_for(tmp_path / "refused", backbone=str(tmp_path / "other"), adapters=[str(adapter)], tasks=["arith"],
+                  policies=["tdlm"], limit=1, gen_length=40, block_size=40, dtype="float32")
+    with pytest.raises(TDLMError, match=r"trained on backbone 'tiny-arith'.*fingerprint=.*--allow-other-backbone"):
+        evaluate(cfg)
+    result = evaluate(replace(cfg, output_dir=str(tmp_path / "allowed"), allow_other_backbone=True))
+    assert [r["policy"] for r in result.runs] == ["tdlm"]
+    assert len(samples_of(result, "arith", result.runs[0]["name"])) == 1

@@ -9,6 +9,7 @@ import torch
 
 import tdlm
 from tdlm.adapter import sink_softmax, temporal_rope
+from tdlm.model import ADAPTER_CONFIG
 from tests.conftest import randomize_temporal, sampled_states, stepwise
 
 P, N = 7, 24  # prompt length, response length
@@ -119,7 +120,7 @@ def test_alignment_is_recorded_in_the_adapter_and_old_adapters_load_input_aligne
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="middle:2"))
     assert model.config.alignment == "prediction"
     model.save_adapter(tmp_path / "a")
-    cfg_path = tmp_path / "a" / "adapter_config.json"
+    cfg_path = tmp_path / "a" / ADAPTER_CONFIG
     assert json.loads(cfg_path.read_text())["alignment"] == "prediction"
     assert tdlm.TDLM.from_adapter(bb, tmp_path / "a").offset == 1
     raw = json.loads(cfg_path.read_text())

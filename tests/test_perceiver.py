@@ -10,6 +10,7 @@ import torch
 
 import tdlm
 from tdlm.history import LatentCache
+from tdlm.model import ADAPTER_CONFIG
 from tdlm.perceiver import (
     ClampedRMSNorm,
     LatentMemory,
@@ -321,7 +322,7 @@ def test_adapter_round_trip_with_latent_policy(tmp_path):
     model = tdlm.TDLM(bb, cfg)
     randomize_temporal(model, seed=10)
     out = model.save_adapter(tmp_path / "ad")
-    raw = json.loads((out / "adapter_config.json").read_text())
+    raw = json.loads((out / ADAPTER_CONFIG).read_text())
     assert raw["history"] == "latent:3"
     assert raw["perceiver"] == {"num_latents": 3, "heads": 4, "head_dim": 8, "norm_eps": 1e-5, "softcap": 50.0}
     assert raw["num_parameters"] == model.num_temporal_parameters()
@@ -339,7 +340,7 @@ def test_adapter_round_trip_with_latent_policy(tmp_path):
     with pytest.raises(tdlm.TDLMError, match="needs perceiver weights"):
         tdlm.TDLM.from_adapter(bb, full_dir, history="latent:3")
     raw["perceiver"]["num_latents"] = 5
-    (out / "adapter_config.json").write_text(json.dumps(raw))
+    (out / ADAPTER_CONFIG).write_text(json.dumps(raw))
     with pytest.raises(tdlm.TDLMError, match="disagree"):
         tdlm.TDLM.from_adapter(bb, out)
 

@@ -5,7 +5,9 @@ point. ``original`` has no knob; ``threshold`` sweeps ``thresholds`` (Fast-dLLM,
 sweeps ``entropy_thresholds`` (the d3LLM rule); ``tdlm`` sweeps adapters x ``tdlm_thresholds`` x
 ``histories`` (Table 2 restricts the history of a fixed adapter at inference, Table 4 compares adapters
 trained with different layer allocations). Defaults are the paper's (Section 3.1): 256 tokens, block
-32, tau 0.9, H 0.5, batch size 1 for the latency measurement.
+32, tau 0.9, H 0.5, batch size 1 for the latency measurement. ``caches`` adds the spatial KV cache as one
+more axis (``none``, Fast-dLLM's ``prefix`` / ``dual``; :mod:`tdlm.models.kv_cache`) for the policies in
+``cache_policies``: each cached variant is its own run, row and Pareto point, labelled with its cache.
 
 Settings split in two, as in :mod:`tdlm.generation.config`:
 
@@ -23,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tdlm.decoding import POLICIES, DecodeConfig
+from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.fingerprints import adapter_fingerprint, backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.history import HistoryPolicy
@@ -46,6 +48,8 @@ class EvalConfig:
     tdlm_thresholds: list[float] | None = None  # tau of tdlm; None = thresholds (Dream: TDLM 0.95)
     entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.entropy_threshold])
     histories: list[str] | None = None  # tdlm history restriction; None = each adapter's trained one
+    caches: list[str] = field(default_factory=lambda: ["none"])  # spatial KV caches: none | prefix | dual
+    cache_policies: list[str] | None = None  # policies run with each of `caches`; None = all (others: none)
     gen_length: int = DecodeConfig.gen_length
     block_size: int = DecodeConfig.block_size
     stop_at_eos: bool = DecodeConfig.stop_at_eos
@@ -64,7 +68,9 @@ class EvalConfig:
     max_task_retries: int = 2  # ... and retries of the shard it held
     max_shard_attempts: int = 3  # driver-level attempts per shard after Ray's retries
     group: str | None = None  # W&B group (the comparison); None = output dir name
-    project: str = "tdlm-eval"
+    allow_other_backbone: bool = False  # attach adapters trained on another backbone (TDLM.from_adapter)
+    project: str = "tdlm"  # the training runs' project, so an evaluation sits beside the run that trained its adapter
+    tags: list[str] = field(default_factory=list)  # extra W&B tags (backbone, allocation, history are added)
     wandb_mode: str | None = None  # online | offline | disabled; None = WANDB_MODE, key -> online, else offline
     score_workers: int = 2  # Math-Verify processes / sandbox threads
     code_timeout_s: float = 30.0  # sandbox wall clock per MBPP program (generous: shared machines are loaded)
@@ -90,8 +96,16 @@ class EvalConfig:
         for p in pols:
             if p not in POLICIES:
                 raise TDLMError(f"policy {p!r} unknown; expected one of {', '.join(POLICIES)}")
+        if not self.caches:
+            raise TDLMError("caches: expected at least one of " + ", ".join(CACHE_MODES))
+        for c in self.caches:
+            if c not in CACHE_MODES:
+                raise TDLMError(f"cache {c!r} unknown; expected one of {', '.join(CACHE_MODES)}")
+        for p in self.cache_policies or []:
+            if p not in POLICIES:
+                raise TDLMError(f"cache_policies: policy {p!r} unknown; expected one of {', '.join(POLICIES)}")
         for name in ("tasks", "policies", "adapters", "thresholds", "tdlm_thresholds", "entropy_thresholds",
-                     "histories"):  # fmt: skip
+                     "histories", "caches", "cache_policies"):  # fmt: skip
             vals = getattr(self, name)
             if vals is not None and len(set(map(str, vals))) != len(vals):
                 raise TDLMError(f"{name}: duplicate values in {vals}")
@@ -109,7 +123,8 @@ class EvalConfig:
             HistoryPolicy.parse(h)
         if self.histories is not None and not self.histories:
             raise TDLMError("histories: expected at least one (full, last:k, current) or None")
-        DecodeConfig(gen_length=self.gen_length, block_size=self.block_size).validate()
+        cached = [c for c in self.caches if c != "none"]
+        DecodeConfig(gen_length=self.gen_length, block_size=self.block_size, cache=(cached or ["none"])[0]).validate()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise TDLMError(f"dtype {self.dtype!r} unknown; expected one of {', '.join(DTYPES)}")
         for name in ("batch_size", "score_workers", "max_shard_attempts", "code_cpu_s"):
@@ -140,6 +155,12 @@ class EvalConfig:
             out[label] = path
         return out
 
+    def caches_for(self, policy: str) -> list[str]:
+        """The spatial KV caches ``policy`` runs with (``none`` only when it is not in ``cache_policies``)."""
+        if self.cache_policies is None or policy in self.cache_policies:
+            return list(self.caches)
+        return ["none"]
+
     def decode_settings(self) -> dict:
         """The decode fields shared by every run (policy and thresholds are per run)."""
         return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos}
@@ -159,18 +180,20 @@ class RunSpec:
     adapter_label: str | None = None
     adapter: str | None = None  # folder
     history: str | None = None  # tdlm only: resolved history restriction
+    cache: str = "none"  # spatial KV cache (none | prefix | dual)
 
     @property
     def name(self) -> str:
-        """Directory / W&B name, unique within a task: ``tdlm-<label>-tau0.9-last3``."""
+        """Directory / W&B name, unique within a task: ``tdlm-<label>-tau0.9-last3`` (``-dual`` with a cache)."""
+        suffix = "" if self.cache == "none" else f"-{self.cache}"
         if self.policy == "original":
-            return "original"
+            return "original" + suffix
         if self.policy == "threshold":
-            return f"threshold-tau{self.threshold:g}"
+            return f"threshold-tau{self.threshold:g}{suffix}"
         if self.policy == "entropy":
-            return f"entropy-H{self.entropy_threshold:g}"
+            return f"entropy-H{self.entropy_threshold:g}{suffix}"
         hist = (self.history or "").replace(":", "")
-        return f"tdlm-{_slug(self.adapter_label or 'adapter')}-tau{self.threshold:g}-{hist}"
+        return f"tdlm-{_slug(self.adapter_label or 'adapter')}-tau{self.threshold:g}-{hist}{suffix}"
 
     def decode_config(self, cfg: EvalConfig) -> DecodeConfig:
         kw = cfg.decode_settings()
@@ -178,7 +201,7 @@ class RunSpec:
             kw["threshold"] = self.threshold
         if self.entropy_threshold is not None:
             kw["entropy_threshold"] = self.entropy_threshold
-        return DecodeConfig(policy=self.policy, **kw).validate()
+        return DecodeConfig(policy=self.policy, cache=self.cache, **kw).validate()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -189,17 +212,17 @@ def _slug(text: str) -> str:
 
 
 def read_adapter_config(directory: str) -> dict:
-    """The adapter's ``adapter_config.json`` (history and layers for naming and the allocation table)."""
-    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    """The adapter's ``tdlm_adapter.json`` (history and layers for naming and the allocation table)."""
+    from tdlm.model import ADAPTER_WEIGHTS, adapter_config_path
 
     d = Path(directory)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (d / name).exists():
-            raise TDLMError(f"{d}: missing {name} (expected a folder written by TDLM.save_adapter)")
+    cfg_path = adapter_config_path(d)  # older folders: adapter_config.json
+    if not (d / ADAPTER_WEIGHTS).exists():
+        raise TDLMError(f"{d}: missing {ADAPTER_WEIGHTS} (expected a folder written by TDLM.save_adapter)")
     try:
-        return json.loads((d / ADAPTER_CONFIG).read_text())
+        return json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
-        raise TDLMError(f"{d / ADAPTER_CONFIG}: invalid JSON: {e}") from e
+        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
 
 
 
@@ -214,18 +237,25 @@ def expand(cfg: EvalConfig) -> list[RunSpec]:
     trained = {label: read_adapter_config(path).get("history", "full") for label, path in adapters.items()}
     for task in cfg.tasks:
         for policy in [p for p in RUN_ORDER if p in pols]:
+            caches = cfg.caches_for(policy)
             if policy == "original":
-                runs.append(RunSpec(task, policy))
+                runs += [RunSpec(task, policy, cache=c) for c in caches]
             elif policy == "threshold":
-                runs += [RunSpec(task, policy, threshold=t) for t in cfg.thresholds]
+                runs += [RunSpec(task, policy, threshold=t, cache=c) for t in cfg.thresholds for c in caches]
             elif policy == "entropy":
-                runs += [RunSpec(task, policy, entropy_threshold=h) for h in cfg.entropy_thresholds]
+                runs += [RunSpec(task, policy, entropy_threshold=h, cache=c) for h in cfg.entropy_thresholds
+                         for c in caches]  # fmt: skip
             else:
                 for label, path in adapters.items():
                     for tau in cfg.tdlm_thresholds or cfg.thresholds:
                         for hist in cfg.histories or [trained[label]]:
-                            runs.append(RunSpec(task, policy, threshold=tau, adapter_label=label, adapter=path,
-                                                history=str(HistoryPolicy.parse(hist))))  # fmt: skip
+                            history = HistoryPolicy.parse(hist)
+                            for c in caches:
+                                if c == "dual" and history.recurrent:
+                                    raise TDLMError(f"adapter {label}: cache 'dual' cannot serve history {history} "
+                                                    f"(allowed caches with it: none, prefix)")  # fmt: skip
+                                runs.append(RunSpec(task, policy, threshold=tau, adapter_label=label, adapter=path,
+                                                    history=str(history), cache=c))  # fmt: skip
     names = [(r.task, r.name) for r in runs]
     if len(set(names)) != len(names):
         raise TDLMError(f"two runs share a name in {names}; give adapters distinct labels (LABEL=DIR)")

@@ -207,7 +207,8 @@ def _bar(total: int, desc: str):
 
 
 def run_in_process(cfg: EvalConfig, jobs: list[ShardJob]) -> None:
-    worker = EvalWorker(WorkerSpec(cfg.backbone, cfg.dtype, cfg.device, cfg.threads, cfg.chat))
+    worker = EvalWorker(WorkerSpec(cfg.backbone, cfg.dtype, cfg.device, cfg.threads, cfg.chat,
+                                   cfg.allow_other_backbone))
     info = worker.info()
     log.info("worker up in-process: %s on %s (%s threads)", info["backbone_id"], info["device_name"], info["threads"])
     with _bar(sum(len(j.problems) for j in jobs), "decode") as bar:
@@ -254,7 +255,8 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
             opts, device = {"num_cpus": threads}, "cpu"
             if num_shards * threads > cpus:
                 log.warning("%d CPU workers x %d threads but %d CPUs: some actors wait", num_shards, threads, cpus)
-        spec = WorkerSpec(cfg.backbone, cfg.dtype, device, None if gpus else threads, cfg.chat)
+        spec = WorkerSpec(cfg.backbone, cfg.dtype, device, None if gpus else threads, cfg.chat,
+                          cfg.allow_other_backbone)
         remote = ray.remote(EvalWorker).options(**opts, max_restarts=cfg.max_restarts,
                                                 max_task_retries=cfg.max_task_retries)  # fmt: skip
         by_shard: dict[int, list[ShardJob]] = collections.defaultdict(list)
@@ -394,18 +396,21 @@ def _sample(rec: dict, score: dict) -> dict:
 # -- 5: summaries, W&B, report ------------------------------------------------------------------------
 def run_summary(cfg: EvalConfig, plan: Plan, samples: list[dict], bb_id: str) -> dict:
     spec = plan.spec
-    allocation = None
+    allocation = trained_by = None
     if spec.adapter:
         ac = read_adapter_config(spec.adapter)
+        training = ac.get("training") or {}
         allocation = {"layers": ac.get("layers"), "num_layers": (ac.get("backbone") or {}).get("num_layers"),
                       "heads": ac.get("heads"), "head_dim": ac.get("head_dim"), "trained_history": ac.get("history"),
-                      "num_parameters": ac.get("num_parameters")}  # fmt: skip
+                      "num_parameters": ac.get("num_parameters"), "spec": training.get("allocation")}  # fmt: skip
+        # the training run this adapter came from (its folder and W&B run), recorded by the trainer
+        trained_by = {"run_dir": training.get("run_dir"), **(training.get("wandb") or {})} if training else None
     summary = {
         "name": spec.name, "run_dir": str(plan.run_dir), "task": spec.task, "metric": plan.task.metric,
         "prompt_version": plan.task.prompt_version, "backbone": cfg.backbone, "backbone_id": bb_id,
         "policy": spec.policy, "threshold": spec.threshold, "entropy_threshold": spec.entropy_threshold,
-        "adapter": spec.adapter, "adapter_label": spec.adapter_label, "history": spec.history,
-        "allocation": allocation, "gen_length": cfg.gen_length, "block_size": cfg.block_size,
+        "adapter": spec.adapter, "adapter_label": spec.adapter_label, "history": spec.history, "cache": spec.cache,
+        "allocation": allocation, "trained_by": trained_by, "gen_length": cfg.gen_length, "block_size": cfg.block_size,
         "stop_at_eos": cfg.stop_at_eos, "batch_size": cfg.batch_size, "dtype": cfg.dtype, "chat": cfg.chat,
         "limit": cfg.limit, "task_source": plan.task.source,
         **aggregate(samples),
@@ -417,8 +422,8 @@ def run_summary(cfg: EvalConfig, plan: Plan, samples: list[dict], bb_id: str) ->
 
 def _wandb_config(summary: dict, cfg: EvalConfig, group: str) -> dict:
     keys = ("backbone", "backbone_id", "task", "policy", "method", "threshold", "entropy_threshold", "history",
-            "adapter", "adapter_label", "allocation", "gen_length", "block_size", "batch_size", "dtype", "limit",
-            "prompt_version")  # fmt: skip
+            "cache", "adapter", "adapter_label", "allocation", "trained_by", "gen_length", "block_size", "batch_size",
+            "dtype", "limit", "prompt_version")  # fmt: skip
     return {**{k: summary.get(k) for k in keys}, "group": group, "output_dir": str(cfg.output_dir)}
 
 
@@ -428,16 +433,21 @@ NUMERIC = ("accuracy", "n", "correct", "nfe_mean", "nfe_median", "seconds_mean",
 
 def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> None:
     """``summary.json`` + one W&B run, unless an identical summary was already written (a no-op resume)."""
-    from tdlm.tracking import Tracker
+    from tdlm.tracking import Tracker, run_tags, tag
 
     path = Path(summary["run_dir"]) / SUMMARY
     if path.exists():
         with contextlib.suppress(json.JSONDecodeError):
             if json.loads(path.read_text()) == json.loads(json.dumps(summary)):
                 return
+    alloc = summary.get("allocation") or {}
+    tags = run_tags(summary.get("backbone_id") or summary["backbone"], alloc.get("spec") or alloc.get("layers"),
+                    summary.get("history"), [tag("policy", summary["policy"]), *cfg.tags])
     tracker = Tracker(summary["run_dir"], cfg.project, group, f"{summary['task']}/{summary['name']}",
                       _wandb_config(summary, cfg, group), cfg.wandb_mode,
-                      job_type="eval")  # fmt: skip
+                      job_type="eval", tags=tags)  # fmt: skip
+    if summary.get("adapter"):  # W&B lineage: this run read the artifact the training run logged
+        tracker.use_adapter(summary["adapter"], (summary.get("trained_by") or {}).get("id"))
     tracker.log({k: summary[k] for k in NUMERIC if summary.get(k) is not None}, step=0)
     if tracker.run is not None:
         import wandb

@@ -6,10 +6,13 @@ same backbone on the same task").
 * ``speedup_vs_X = mean seconds of X / mean seconds of the run`` and ``nfe_ratio_vs_X = mean NFE of X /
   mean NFE of the run`` (both > 1 when the run is faster / uses fewer evaluations), where X is
 
-  - ``original``: the run with policy original on the same backbone, task, gen length and block size;
+  - ``original``: the run with policy original, without a spatial KV cache, on the same backbone, task,
+    gen length and block size;
   - ``threshold``: the threshold (Fast-dLLM) run at ``reference_tau`` (0.9, the released setting the
     paper compares with) on the same key; if that tau was not run, the threshold run with the run's own
-    tau. Its tau is recorded as ``threshold_baseline_tau``.
+    tau. Its tau is recorded as ``threshold_baseline_tau``. A run with a spatial KV cache is compared with
+    the threshold run with the same cache when there is one (TDLM + dual cache vs Fast-dLLM + dual
+    cache), else with the uncached one.
 
 Speedups are recomputed from the per-run summaries whenever runs are combined (``eval/compare.py``),
 so runs from different output dirs compare as long as they share the key.
@@ -55,6 +58,10 @@ def ratio(baseline: float | None, value: float | None) -> float | None:
     return baseline / value
 
 
+def _cache(run: dict) -> str:
+    return run.get("cache") or "none"
+
+
 def comparison_key(run: dict) -> tuple:
     """Runs comparable for speedups: same backbone, task, budget and block size."""
     return (run.get("backbone_id") or run.get("backbone"), run["task"], run["gen_length"], run["block_size"])
@@ -66,12 +73,16 @@ def compute_speedups(runs: list[dict], reference_tau: float = 0.9) -> list[dict]
     for r in runs:
         by_key.setdefault(comparison_key(r), []).append(r)
     for group in by_key.values():
-        original = next((r for r in group if r["policy"] == "original"), None)
-        thresholds = {float(r["threshold"]): r for r in group if r["policy"] == "threshold"}
+        original = next((r for r in group if r["policy"] == "original" and _cache(r) == "none"), None)
+        thresholds = {(float(r["threshold"]), _cache(r)): r for r in group if r["policy"] == "threshold"}
         for r in group:
-            base = thresholds.get(float(reference_tau))
-            if base is None and r.get("threshold") is not None:
-                base = thresholds.get(float(r["threshold"]))
+            base = None
+            for cache in dict.fromkeys((_cache(r), "none")):
+                base = thresholds.get((float(reference_tau), cache))
+                if base is None and r.get("threshold") is not None:
+                    base = thresholds.get((float(r["threshold"]), cache))
+                if base is not None:
+                    break
             r["speedup_vs_original"] = ratio(original and original["seconds_mean"], r["seconds_mean"])
             r["nfe_ratio_vs_original"] = ratio(original and original["nfe_mean"], r["nfe_mean"])
             r["speedup_vs_threshold"] = ratio(base and base["seconds_mean"], r["seconds_mean"])

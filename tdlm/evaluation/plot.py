@@ -1,9 +1,10 @@
 """Quality-latency Pareto plots (the paper's Figure 1) from run summaries.
 
 One PNG per (backbone, task): accuracy against mean generation seconds (left) and mean NFE (right);
-one line per method family (original; Fast-dLLM; entropy; TDLM per adapter and history) through its
-threshold sweep, and the empirical Pareto frontier over all points (higher accuracy at lower cost)
-drawn as a dashed step line with ringed markers. matplotlib's Agg backend: no display needed.
+one line per method family (original; Fast-dLLM; entropy; TDLM per adapter and history; each spatial KV
+cache its own family, labelled with it) through its threshold sweep, and the empirical Pareto frontier
+over all points (higher accuracy at lower cost) drawn as a dashed step line with ringed markers.
+matplotlib's Agg backend: no display needed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from tdlm.evaluation.report import TASK_TITLES, sort_key
+from tdlm.evaluation.report import TASK_TITLES, cache_suffix, sort_key
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -32,15 +33,17 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def family(run: dict) -> str:
-    """The line a run belongs to: its method without the swept threshold."""
+    """The line a run belongs to: its method without the swept threshold (a cached variant is its own line)."""
     p = run["policy"]
     if p == "original":
-        return "Original"
-    if p == "threshold":
-        return "Fast-dLLM"
-    if p == "entropy":
-        return "Entropy"
-    return f"TDLM [{run.get('adapter_label')}, {run.get('history')}]"
+        name = "Original"
+    elif p == "threshold":
+        name = "Fast-dLLM"
+    elif p == "entropy":
+        name = "Entropy"
+    else:
+        name = f"TDLM [{run.get('adapter_label')}, {run.get('history')}]"
+    return name + cache_suffix(run)
 
 
 def plot_pareto(runs: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:

@@ -25,20 +25,36 @@ from tdlm.tasks import TASK_NAMES
 TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH-500", "mbpp": "MBPP", "arith": "Arith"}
 
 
+CACHE_ORDER = ("none", "prefix", "dual")
+
+
+def cache_of(run: dict) -> str:
+    """A run's spatial KV cache (summaries written before the cache existed: none)."""
+    return run.get("cache") or "none"
+
+
+def cache_suffix(run: dict) -> str:
+    """`` + dual cache`` for a cached run, empty otherwise (every label of a cached variant carries it)."""
+    c = cache_of(run)
+    return "" if c == "none" else f" + {c} cache"
+
+
 def method_label(run: dict) -> str:
     p = run["policy"]
     if p == "original":
-        return "Original"
-    if p == "threshold":
-        return f"Fast-dLLM τ={run['threshold']:g}"
-    if p == "entropy":
-        return f"Entropy H={run['entropy_threshold']:g}"
-    return f"TDLM τ={run['threshold']:g} [{run.get('adapter_label')}, {run.get('history')}]"
+        label = "Original"
+    elif p == "threshold":
+        label = f"Fast-dLLM τ={run['threshold']:g}"
+    elif p == "entropy":
+        label = f"Entropy H={run['entropy_threshold']:g}"
+    else:
+        label = f"TDLM τ={run['threshold']:g} [{run.get('adapter_label')}, {run.get('history')}]"
+    return label + cache_suffix(run)
 
 
 def method_key(run: dict) -> tuple:
     return (run["policy"], run.get("threshold"), run.get("entropy_threshold"), run.get("adapter_label"),
-            run.get("history"))  # fmt: skip
+            run.get("history"), cache_of(run))  # fmt: skip
 
 
 def _history_rank(h: str | None) -> tuple:
@@ -55,9 +71,10 @@ def _history_rank(h: str | None) -> tuple:
 
 def sort_key(run: dict) -> tuple:
     p = run["policy"]
+    c = cache_of(run)
     return (POLICY_ORDER.index(p) if p in POLICY_ORDER else 9, run.get("adapter_label") or "",
             run.get("threshold") or 0.0, run.get("entropy_threshold") or 0.0,
-            _history_rank(run.get("history")))  # fmt: skip
+            _history_rank(run.get("history")), CACHE_ORDER.index(c) if c in CACHE_ORDER else 9)  # fmt: skip
 
 
 def _f(v: float | None, digits: int) -> str:
@@ -127,17 +144,17 @@ def history_table(runs: Sequence[dict]) -> str:
     for r in runs:
         if r["policy"] == "tdlm":
             k = (r.get("backbone_id") or r["backbone"], r["task"], r["gen_length"], r["block_size"],
-                 r.get("adapter_label"), r["threshold"])  # fmt: skip
+                 r.get("adapter_label"), r["threshold"], cache_of(r))  # fmt: skip
             groups.setdefault(k, []).append(r)
     out = []
-    for (backbone, task, gen, block, label, tau), group in groups.items():
+    for (backbone, task, gen, block, label, tau, cache), group in groups.items():
         if len({r.get("history") for r in group}) < 2:
             continue
         group = sorted(group, key=lambda r: _history_rank(r.get("history")))
         body = [[r.get("history") or "?", _pct(r["accuracy"]), _f(r["nfe_mean"], 2), _f(r["seconds_mean"], 3),
                  _x(r.get("speedup_vs_original"))] for r in group]  # fmt: skip
-        out.append(f"### History restriction: {TASK_TITLES.get(task, task)}, adapter {label}, τ={tau:g} "
-                   f"({backbone}, N={gen}, block {block})\n\n"
+        out.append(f"### History restriction: {TASK_TITLES.get(task, task)}, adapter {label}, τ={tau:g}"
+                   f"{cache_suffix({'cache': cache})} ({backbone}, N={gen}, block {block})\n\n"
                    + _table(["History", "Acc (%)", "NFE", "Avg. sec", "Speedup"], body))  # fmt: skip
     return "\n\n".join(out)
 
@@ -156,17 +173,17 @@ def allocation_table(runs: Sequence[dict]) -> str:
     for r in runs:
         if r["policy"] == "tdlm":
             k = (r.get("backbone_id") or r["backbone"], r["task"], r["gen_length"], r["block_size"],
-                 r["threshold"], r.get("history"))  # fmt: skip
+                 r["threshold"], r.get("history"), cache_of(r))  # fmt: skip
             groups.setdefault(k, []).append(r)
     out = []
-    for (backbone, task, gen, block, tau, hist), group in groups.items():
+    for (backbone, task, gen, block, tau, hist, cache), group in groups.items():
         if len({r.get("adapter_label") for r in group}) < 2:
             continue
         group = sorted(group, key=lambda r: str(r.get("adapter_label")))
         body = [[str(r.get("adapter_label")), allocation_label(r), _pct(r["accuracy"]), _f(r["nfe_mean"], 2),
                  _f(r["seconds_mean"], 3)] for r in group]  # fmt: skip
-        out.append(f"### Temporal-layer allocations: {TASK_TITLES.get(task, task)}, τ={tau:g}, history {hist} "
-                   f"({backbone}, N={gen}, block {block})\n\n"
+        out.append(f"### Temporal-layer allocations: {TASK_TITLES.get(task, task)}, τ={tau:g}, history {hist}"
+                   f"{cache_suffix({'cache': cache})} ({backbone}, N={gen}, block {block})\n\n"
                    + _table(["Adapter", "Temporal layers", "Acc (%)", "NFE", "Avg. sec"], body))  # fmt: skip
     return "\n\n".join(out)
 

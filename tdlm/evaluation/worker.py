@@ -44,6 +44,7 @@ class WorkerSpec:
     device: str | None = None  # None: cuda if available else cpu
     threads: int | None = None  # torch intra-op threads on CPU; None = as set by Ray / OMP
     chat: bool = True
+    allow_other_backbone: bool = False  # attach adapters trained on another backbone
 
 
 @dataclass
@@ -118,7 +119,8 @@ class EvalWorker:
         path = run["adapter"]
         model = self._adapters.get(path)
         if model is None:
-            model = TDLM.from_adapter(self.backbone, path, history=run["history"]).to(self.device).eval()
+            model = TDLM.from_adapter(self.backbone, path, history=run["history"],
+                                      allow_other_backbone=self.spec.allow_other_backbone).to(self.device).eval()
             self._adapters[path] = model
         model.set_history(run["history"])
         return model

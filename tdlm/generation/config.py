@@ -48,7 +48,9 @@ class GenerationConfig:
     gen_length: int = DecodeConfig.gen_length
     block_size: int = DecodeConfig.block_size
     stop_at_eos: bool = DecodeConfig.stop_at_eos
+    cache: str = DecodeConfig.cache  # spatial KV cache: none | prefix | dual (tdlm/models/kv_cache.py)
     adapter: str | None = None  # TDLM adapter folder, needed by (and only by) policy 'tdlm'
+    allow_other_backbone: bool = False  # attach an adapter trained on another backbone (tdlm.TDLM.from_adapter)
     dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     shard_size: int = 256  # prompts per shard: shard i holds prompts [i*S, (i+1)*S)
     # run settings (may change on resume)
@@ -69,6 +71,7 @@ class GenerationConfig:
             threshold=self.threshold,
             entropy_threshold=self.entropy_threshold,
             stop_at_eos=self.stop_at_eos,
+            cache=self.cache,
         )
 
     def prompt_source(self) -> PromptSource:
@@ -122,7 +125,8 @@ class GenerationConfig:
 
     def run_settings(self) -> dict:
         names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
-                 "max_restarts", "max_task_retries", "max_shard_attempts", "allow_eval_prompts")  # fmt: skip
+                 "max_restarts", "max_task_retries", "max_shard_attempts", "allow_eval_prompts",
+                 "allow_other_backbone")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def to_dict(self) -> dict:

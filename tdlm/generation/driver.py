@@ -271,6 +271,7 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
         batch_size=cfg.batch_size,
         chat=cfg.chat,
         adapter=cfg.adapter,
+        allow_other_backbone=cfg.allow_other_backbone,
         dtype=cfg.dtype,
         device="cuda" if gpu else "cpu",
         threads=None if gpu else cfg.cpus_per_actor,

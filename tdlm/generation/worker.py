@@ -77,6 +77,7 @@ class WorkerSpec:
     adapter: str | None = None
     dtype: str | None = None
     device: str = "cpu"
+    allow_other_backbone: bool = False
     threads: int | None = None  # torch intra-op threads on CPU; None = leave as set by Ray/OMP
     faults: FaultInjection | None = None
 
@@ -126,7 +127,8 @@ class ShardWorker:
             torch.set_num_threads(spec.threads)
         self.config = DecodeConfig(**spec.decode).validate()
         self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=spec.device)
-        self.model = TDLM.from_adapter(self.backbone, spec.adapter).to(spec.device) if spec.adapter else self.backbone
+        self.model = (TDLM.from_adapter(self.backbone, spec.adapter, allow_other_backbone=spec.allow_other_backbone)
+                      .to(spec.device) if spec.adapter else self.backbone)
         self.tokenizer = load_tokenizer(spec.backbone)
         self.stop_ids = stop_token_ids(self.tokenizer, self.backbone.eos_token_id)
         self.fingerprint = backbone_fingerprint(spec.backbone)

@@ -6,6 +6,11 @@ A block is split into ``attend`` (pre-norm spatial attention + residual) and ``f
 paper (Section 2.2, Eq. 2): the point where a temporal correction is inserted. Callers that need it
 (``tdlm.TDLM``) drive the layer loop through :meth:`Backbone.prepare`, :meth:`Backbone.layer` and
 :meth:`Backbone.head`; nothing is patched or hooked.
+
+A forward may use the spatial key/value cache (:mod:`tdlm.models.kv_cache`, Fast-dLLM's prefix and dual
+cache): ``prepare(..., kv=KVStep)`` either refreshes it (a full forward that stores every layer's keys and
+values) or computes only a window of positions whose attention reads the other positions' keys/values
+from the cache (:func:`spatial_attention`); ``head`` then maps the selected canvas positions into the window.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tdlm.errors import TDLMError
+from tdlm.models.kv_cache import KVStep
 
 # insert(layer_index, h) -> h~ ; h is (B, L, d), after spatial attention, before the FFN.
 InsertFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -67,6 +73,10 @@ class ForwardContext:
     sin: torch.Tensor  # (B, 1, L, hd)
     attn_mask: torch.Tensor | None  # (B, 1, 1, L) bool, True = real token; None = no padding
     first_token: torch.Tensor | None = None  # (B,) index of each row's first real token if padded
+    kv: KVStep | None = None  # spatial KV cache use of this forward (refresh or window); None = none
+    # Window steps compute x[:, w] for canvas positions window_start + w, w < W, of a canvas of canvas_len.
+    window_start: torch.Tensor | None = None  # (B,)
+    canvas_len: int | None = None
 
 
 def bidirectional_attention(
@@ -75,6 +85,26 @@ def bidirectional_attention(
     """Full (non-causal) SDPA; q (B, H, L, hd), k/v (B, Hkv, L, hd). Padding keys are excluded."""
     enable_gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False, enable_gqa=enable_gqa)
+
+
+def spatial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int | None = None
+) -> torch.Tensor:
+    """Bidirectional attention of the computed positions (rotated q (B, H, W, hd), k/v (B, Hkv, W, hd)).
+
+    Without a spatial KV cache W = L and this is :func:`bidirectional_attention`. A refresh stores k, v of
+    ``layer`` and attends as usual; a window step attends over all L keys: the cached ones with the
+    window's fresh entries written in (:meth:`tdlm.models.kv_cache.SpatialKVCache.merged`).
+    """
+    kv = ctx.kv
+    if kv is not None:
+        if layer is None:
+            raise TDLMError("a forward with a spatial KV cache must pass the layer index to attend(x, ctx, layer)")
+        if kv.refresh:
+            kv.cache.store(layer, k, v, kv.rows)
+        else:
+            k, v = kv.cache.merged(layer, k, v, kv)
+    return bidirectional_attention(q, k, v, ctx.attn_mask)
 
 
 class Backbone(nn.Module):
@@ -100,6 +130,7 @@ class Backbone(nn.Module):
     head_dim: int
     rope_theta: float
     backbone_id: str = ""
+    supports_kv_cache: bool = False  # blocks call spatial_attention with their layer index (tdlm/models/kv_cache.py)
 
     blocks: nn.ModuleList
 
@@ -150,14 +181,18 @@ class Backbone(nn.Module):
             raise TDLMError(f"{what} must hold integer token ids; got dtype {input_ids.dtype}")
 
     def prepare(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, kv: KVStep | None = None
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Embeddings (B, L, d) and the per-forward context.
 
         With an attention mask (1 = token, 0 = padding) rotary positions count real tokens only, so
-        a left-padded row sees exactly the positions it would see unpadded.
+        a left-padded row sees exactly the positions it would see unpadded. With a window step ``kv``
+        the embeddings are those of the window's positions only, (B, W, d), rotated at their canvas
+        positions; the key-padding mask still spans the whole canvas (the cached keys).
         """
         B, L = input_ids.shape
+        if kv is not None and not self.supports_kv_cache:
+            raise TDLMError(f"{type(self).__name__} has no spatial KV cache path; use cache 'none'")
         if attention_mask is None:
             pos = torch.arange(L, device=input_ids.device).expand(B, L)
             mask = None
@@ -170,17 +205,23 @@ class Backbone(nn.Module):
             am = attention_mask.to(torch.bool)
             pos = (am.long().cumsum(-1) - 1).clamp(min=0)
             mask = None if bool(am.all()) else am[:, None, None, :]
+        first = None if mask is None else am.long().argmax(-1)
+        if kv is not None and not kv.refresh:
+            where = kv.positions()  # (B, W)
+            x = self.embed(input_ids.gather(1, where))
+            cos, sin = rope_cos_sin(pos.gather(1, where), self.head_dim, self.rope_theta, x.dtype)
+            return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first, kv=kv,
+                                     window_start=kv.start, canvas_len=L)  # fmt: skip
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta, x.dtype)
-        first = None if mask is None else am.long().argmax(-1)
-        return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first)
+        return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first, kv=kv)
 
     def layer(
         self, index: int, x: torch.Tensor, ctx: ForwardContext, insert: InsertFn | None = None
     ) -> torch.Tensor:
         """One block: spatial attention, the Eq. 2 insertion point, then the feed-forward sublayer."""
         block = self.blocks[index]
-        h = block.attend(x, ctx)  # (B, L, d): h_{l,p}(S_i)
+        h = block.attend(x, ctx) if ctx.kv is None else block.attend(x, ctx, index)  # (B, L, d): h_{l,p}(S_i)
         if insert is not None:
             h = insert(index, h)  # h~_{l,p}(S_i)
         return block.feed_forward(h)
@@ -193,7 +234,20 @@ class Backbone(nn.Module):
         With ``select`` the LM head runs on the S hidden states that predict those positions only
         (gathered first, the logit shift applied to the gather), in row-major order of ``select``.
         Training reads a few percent of all positions, so this is most of the logits' memory.
+        After a window step (spatial KV cache) ``select`` is over the canvas (B, canvas_len) and is
+        required; every selected position must be predicted from inside the window.
         """
+        if ctx is not None and ctx.window_start is not None:
+            if select is None or select.shape != (x.shape[0], ctx.canvas_len):
+                got = None if select is None else tuple(select.shape)
+                raise TDLMError(f"a window step needs select of shape {(x.shape[0], ctx.canvas_len)} "
+                                f"(batch, canvas length); got {got}")  # fmt: skip
+            rows, pos = select.nonzero(as_tuple=True)
+            src = self.source_positions(rows, pos, ctx) - ctx.window_start[rows]
+            if bool(((src < 0) | (src >= x.shape[1])).any()):
+                raise TDLMError(f"select names positions whose predicting hidden state is outside the computed "
+                                f"window of {x.shape[1]} positions")  # fmt: skip
+            return self.project(x[rows, src])  # (S, V)
         if select is None:
             return self.final(x, ctx)
         if select.shape != x.shape[:2]:
@@ -206,13 +260,18 @@ class Backbone(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         insert: InsertFn | None = None,
+        select: torch.Tensor | None = None,
+        kv: KVStep | None = None,
     ) -> torch.Tensor:
-        """Logits (B, L, V), aligned so that entry p predicts the token at p."""
+        """Logits (B, L, V), aligned so that entry p predicts the token at p; (S, V) with ``select``.
+
+        ``kv`` uses the spatial KV cache (a refresh, or a window step, which needs ``select``).
+        """
         self.check_input_ids(input_ids)
-        x, ctx = self.prepare(input_ids, attention_mask)
+        x, ctx = self.prepare(input_ids, attention_mask, kv)
         for i in range(self.num_layers):
             x = self.layer(i, x, ctx, insert)
-        return self.head(x, ctx)
+        return self.head(x, ctx, select)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def freeze(self) -> Backbone:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tdlm.errors import TDLMError
-from tdlm.models.common import Backbone, ForwardContext, RMSNorm, apply_rope, bidirectional_attention
+from tdlm.models.common import Backbone, ForwardContext, RMSNorm, apply_rope, spatial_attention
 
 
 @dataclass
@@ -88,13 +88,13 @@ class DreamAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
 
-    def forward(self, a: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, a: torch.Tensor, ctx: ForwardContext, layer: int | None = None) -> torch.Tensor:
         B, L, _ = a.shape
         q = self.q_proj(a).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
         k = self.k_proj(a).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, L, hd)
         v = self.v_proj(a).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        o = bidirectional_attention(q, k, v, ctx.attn_mask).transpose(1, 2).reshape(B, L, -1)
+        o = spatial_attention(q, k, v, ctx, layer).transpose(1, 2).reshape(B, L, -1)
         return self.o_proj(o)
 
 
@@ -117,8 +117,9 @@ class DreamLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DreamMLP(cfg)
 
-    def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), ctx)
+    def attend(self, x: torch.Tensor, ctx: ForwardContext, layer: int | None = None) -> torch.Tensor:
+        """x + attention of the computed positions (all L, or a window of W with the spatial KV cache of ``layer``)."""
+        return x + self.self_attn(self.input_layernorm(x), ctx, layer)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -137,6 +138,7 @@ class Dream(Backbone):
 
     family = "dream"
     logit_shift = 1
+    supports_kv_cache = True
 
     def __init__(self, cfg: DreamConfig) -> None:
         super().__init__()

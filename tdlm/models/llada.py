@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tdlm.errors import TDLMError
-from tdlm.models.common import Backbone, ForwardContext, RMSNorm, apply_rope, bidirectional_attention
+from tdlm.models.common import Backbone, ForwardContext, RMSNorm, apply_rope, spatial_attention
 
 
 @dataclass
@@ -88,14 +88,15 @@ class LLaDABlock(nn.Module):
         self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)  # down
 
-    def attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, ctx: ForwardContext, layer: int | None = None) -> torch.Tensor:
+        """x + attention of the computed positions (all L, or a window of W with the spatial KV cache of ``layer``)."""
         B, L, _ = x.shape
         a = self.attn_norm(x)
         q = self.q_proj(a).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
         k = self.k_proj(a).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(a).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        o = bidirectional_attention(q, k, v, ctx.attn_mask).transpose(1, 2).reshape(B, L, -1)
+        o = spatial_attention(q, k, v, ctx, layer).transpose(1, 2).reshape(B, L, -1)
         return x + self.attn_out(o)
 
     def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -122,6 +123,7 @@ class LLaDA(Backbone):
     """LLaDA denoiser; ``state_dict`` keys are the release's ``model.transformer.*`` keys."""
 
     family = "llada"
+    supports_kv_cache = True
 
     def __init__(self, cfg: LLaDAConfig) -> None:
         super().__init__()

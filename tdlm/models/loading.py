@@ -60,7 +60,7 @@ PRESETS: dict[str, dict] = {
 
 # Trained checkpoints shipped inside the package (release folder format), addressable by name.
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
-SHIPPED = {"tiny-arith": ASSETS_DIR / "tiny-arith"}
+SHIPPED = {"tiny-arith": ASSETS_DIR / "tiny-arith", "tiny-multi": ASSETS_DIR / "tiny-multi"}
 
 _FAMILIES = {"llada": (LLaDA, LLaDAConfig), "dream": (Dream, DreamConfig)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

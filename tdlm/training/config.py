@@ -60,8 +60,9 @@ class TrainLoopConfig:
 @dataclass
 class WandbConfig:
     project: str = "tdlm"
-    group: str | None = None  # the experiment / comparison; default: output folder name
+    group: str | None = None  # the experiment / comparison; default: output folder name (a sweep sets its experiment)
     name: str | None = None
+    tags: list[str] = field(default_factory=list)  # extra tags; backbone:, layers:, history: are always added
     mode: str | None = None  # None = WANDB_MODE, else offline when no API key is configured
 
 

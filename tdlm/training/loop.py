@@ -34,7 +34,7 @@ from tdlm.contamination import check_trajectory_prompts
 from tdlm.data import TrajectoryStream, shard_paths, verify_manifest
 from tdlm.errors import TDLMError
 from tdlm.model import TDLM, TemporalConfig
-from tdlm.tracking import NullTracker, Tracker
+from tdlm.tracking import NullTracker, Tracker, run_tags
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import resolve_ds_config, uses_activation_checkpointing
 from tdlm.training.run_dir import (
@@ -276,8 +276,10 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
                                               "zero_stage": stage, "dtype": str(dtype),
                                               "activation_checkpointing": model.activation_checkpointing,
                                               "temporal_parameters": model.num_temporal_parameters()}}
+        tags = run_tags(backbone.backbone_id or run.model.backbone, run.model.layers or model.layer_ids,
+                        str(model.policy), run.wandb.tags)
         sess.tracker = Tracker(out, run.wandb.project, run.wandb.group or out.name, run.wandb.name, config,
-                               run.wandb.mode)
+                               run.wandb.mode, tags=tags)
         if resume:
             sess.tracker.truncate(sess.start_step)
     return sess
@@ -382,10 +384,35 @@ def export_adapter(sess: Session, directory: str | Path) -> Path | None:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    cfg = sess.model.adapter_config() | {"training": {"steps": sess.run.train.max_steps,
-                                                      "trajectories": len(sess.stream)}}
+    cfg = sess.model.adapter_config() | {"training": training_record(sess)}
     (out / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     return out
+
+
+def training_record(sess: Session) -> dict:
+    """What the adapter records about the run that trained it: the recipe, the teacher trajectories, the run folder
+    and its W&B run (so an evaluation, a model card or a Hub reader can name it)."""
+    run, t, o = sess.run, sess.run.train, sess.run.optim
+    teacher = {}
+    manifest = Path(run.data.trajectories) / "manifest.json"
+    if manifest.exists():
+        settings = json.loads(manifest.read_text()).get("settings") or {}
+        teacher = {k: settings[k] for k in ("decode", "prompts", "dtype") if k in settings}
+    wandb_run = {k: sess.tracker.record.get(k) for k in ("id", "project", "group", "name", "url")
+                 } if getattr(sess.tracker, "record", None) else None  # fmt: skip
+    return {
+        "steps": t.max_steps,
+        "trajectories": len(sess.stream),
+        "allocation": run.model.layers,
+        "recipe": {"states": run.data.states, "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+                   "world_size": sess.world, "global_batch": t.micro_batch_size * t.grad_accum * sess.world,
+                   "lr": o.lr, "weight_decay": o.weight_decay, "betas": [o.beta1, o.beta2],
+                   "warmup_steps": o.warmup_steps, "min_lr_ratio": o.min_lr_ratio, "grad_clip": o.grad_clip,
+                   "seed": t.seed, "data_seed": run.data.seed},
+        "teacher": teacher,
+        "run_dir": str(Path(run.output_dir).resolve()),
+        "wandb": wandb_run,
+    }
 
 
 def verify_export(sess: Session, adapter_dir: Path) -> float | None:
@@ -479,5 +506,10 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
             "adapter": str(adapter_dir),
             "config": dataclasses.asdict(run),
         }
+        artifact = sess.tracker.log_adapter(adapter_dir, metadata={
+            "layers": sess.model.layer_ids, "temporal_parameters": sess.model.num_temporal_parameters(),
+            "history": str(sess.model.policy), "backbone": sess.model.backbone.backbone_id, "steps": total})
+        if artifact:
+            summary["adapter_artifact"] = artifact
         sess.tracker.finish(summary)
     return summary

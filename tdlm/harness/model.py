@@ -1,0 +1,201 @@
+"""The ``tdlm`` model of lm-evaluation-harness: ``generate_until`` served by :func:`tdlm.decode`.
+
+``--model_args`` (fields of :class:`HarnessConfig`)::
+
+    backbone=GSAI-ML/LLaDA-8B-Instruct,adapter=me/tdlm-llada-16d,policy=tdlm,threshold=0.9,gen_length=256,block_size=32
+
+* requests are decoded in batches of ``--batch_size`` (left-padded; each row counts its own NFE and leaves the batch
+  when done, so a batch gives the tokens of per-request runs), longest prompts first;
+* chat template: with ``--apply_chat_template`` the harness renders the conversation through the backbone's template
+  (:meth:`apply_chat_template`); otherwise ``chat=true`` (default, as tdlm's own evaluator) sends each context as one
+  user message through the template, ``chat=false`` feeds the raw text;
+* stop sequences: the text is cut at the backbone's stop tokens (EOS, end of turn) and then at the first of the
+  request's ``until`` strings. A diffusion canvas is decoded whole, so they cut the answer rather than end decoding
+  early (``stop_at_eos=true`` ends a request once its EOS is committed). ``gen_length`` is the canvas: a request's
+  ``max_gen_toks`` does not change it. Sampling (``do_sample=true``, ``temperature > 0``) is refused: the policies
+  are greedy;
+* NFE: every request's denoiser evaluations are counted; the mean per task (and NFE-per-token, seconds) is logged at
+  the end of each ``generate_until`` call and returned in ``results["config"]["tdlm"]`` (``get_model_info``);
+* ``loglikelihood`` / ``loglikelihood_rolling``: refused with one line. A masked-diffusion model has no exact
+  left-to-right likelihood (LLaDA estimates a bound by Monte-Carlo masking), and a TDLM adapter conditions on the
+  history of its own denoising steps, which scoring a fixed continuation does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from tdlm.config import from_dict
+from tdlm.errors import TDLMError
+
+log = logging.getLogger("lm_eval.models.tdlm")  # under the harness's own logger (its handler, its level)
+
+
+@dataclass
+class HarnessConfig:
+    backbone: str  # preset / shipped name, checkpoint folder, or a Hub id in the local HF cache
+    adapter: str | None = None  # adapter folder or Hub repo id (policy tdlm)
+    policy: str | None = None  # original | threshold | entropy | tdlm; None = tdlm with an adapter, else threshold
+    threshold: float = 0.9  # tau of threshold / tdlm
+    entropy_threshold: float = 0.5
+    gen_length: int = 256
+    block_size: int = 32
+    history: str | None = None  # tdlm history restriction (None = the adapter's own)
+    cache: str = "none"  # spatial KV cache: none | prefix | dual
+    stop_at_eos: bool = False
+    chat: bool = True  # wrap a raw context as a user message through the chat template
+    dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
+    allow_other_backbone: bool = False
+    revision: str | None = None  # Hub revision of the adapter
+
+
+def _batch_size(value) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    raise TDLMError(f"--batch_size {value!r}: the tdlm model needs a positive integer (no 'auto')")
+
+
+@register_model("tdlm")
+class TDLMHarnessLM(LM):
+    """A backbone (and TDLM adapter) decoded by :func:`tdlm.decode`; see the module docstring."""
+
+    def __init__(self, backbone: str, batch_size: int | str = 1, max_batch_size: int | None = None,
+                 device: str | None = None, **model_args) -> None:
+        super().__init__()
+        import torch
+
+        from tdlm.decoding import DecodeConfig
+        from tdlm.model import TDLM
+        from tdlm.models.loading import load_backbone
+        from tdlm.tokenizer import load_tokenizer, stop_token_ids
+
+        self.config = from_dict(HarnessConfig, {"backbone": str(backbone), **model_args}, "--model_args")
+        c = self.config
+        policy = c.policy or ("tdlm" if c.adapter else "threshold")
+        if policy == "tdlm" and not c.adapter:
+            raise TDLMError("--model_args: policy=tdlm needs adapter=<folder or Hub repo id>")
+        if c.adapter and policy != "tdlm":
+            raise TDLMError(f"--model_args: adapter= is used by policy=tdlm only; policy is {policy}")
+        self.decode_config = DecodeConfig(policy=policy, gen_length=c.gen_length, block_size=c.block_size,
+                                          threshold=c.threshold, entropy_threshold=c.entropy_threshold,
+                                          stop_at_eos=c.stop_at_eos, cache=c.cache).validate()
+        self.batch_size_per_call = _batch_size(batch_size)
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            if device is not None:  # the harness's default is cuda:0; as its HF model does, fall back to the CPU
+                log.warning("--device %s: no CUDA device here; decoding on the CPU", device)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = torch.device(device)
+        bb = load_backbone(c.backbone, dtype=c.dtype, device=self._device)
+        self.model = bb
+        if policy == "tdlm":
+            self.model = TDLM.from_pretrained(bb, c.adapter, history=c.history, revision=c.revision,
+                                              allow_other_backbone=c.allow_other_backbone)
+        self.tokenizer = load_tokenizer(c.backbone)
+        self.stop_ids = stop_token_ids(self.tokenizer, bb.eos_token_id)
+        self._harness_chat = False  # set once the harness renders contexts through apply_chat_template
+        self._warned: set[str] = set()
+        self.stats: dict[str, list[tuple[int, float, int]]] = defaultdict(list)  # task -> (nfe, seconds, tokens)
+
+    # -- what the harness reads --------------------------------------------------------------------
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.config.backbone.replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        self._harness_chat = True
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def get_model_info(self) -> dict:
+        return {"tdlm": {**asdict(self.config), "policy": self.decode_config.policy,
+                         "batch_size": self.batch_size_per_call, "decode_stats": self.decode_stats()}}
+
+    def decode_stats(self) -> dict:
+        """Per task: requests, mean NFE, mean seconds, response tokens revealed per NFE; plus ``all``."""
+        out = {}
+        groups = dict(self.stats)
+        if groups:
+            groups["all"] = [s for v in self.stats.values() for s in v]
+        for task, rows in groups.items():
+            nfe = [r[0] for r in rows]
+            out[task] = {"requests": len(rows), "nfe_mean": statistics.fmean(nfe),
+                         "seconds_mean": statistics.fmean(r[1] for r in rows),
+                         "tokens_per_nfe": sum(r[2] for r in rows) / max(1, sum(nfe))}  # fmt: skip
+        return out
+
+    # -- requests ----------------------------------------------------------------------------------
+    def loglikelihood(self, requests) -> list:
+        raise TDLMError("the tdlm model serves generate_until tasks only: a masked-diffusion model has no exact "
+                        "left-to-right log-likelihood (and a TDLM adapter conditions on its own denoising history); "
+                        "choose a generate_until task (e.g. tdlm_gsm8k, gsm8k_cot_zeroshot)")
+
+    def loglikelihood_rolling(self, requests) -> list:
+        return self.loglikelihood(requests)
+
+    def _encode(self, context: str) -> list[int]:
+        from tdlm.tokenizer import encode_prompts
+
+        if self._harness_chat:  # already rendered by the template: its special tokens are in the text
+            return [int(i) for i in self.tokenizer(context, add_special_tokens=False)["input_ids"]]
+        return encode_prompts(self.tokenizer, [context], chat=self.config.chat)[0]
+
+    def _check_kwargs(self, task: str, kw: dict) -> list[str]:
+        if kw.get("do_sample") or float(kw.get("temperature") or 0.0) > 0.0:
+            raise TDLMError(f"task {task}: asks for sampling (do_sample={kw.get('do_sample')}, temperature="
+                            f"{kw.get('temperature')}); tdlm decodes greedily: pass --gen_kwargs do_sample=false,"
+                            f"temperature=0")
+        if "max_gen_toks" in kw and kw["max_gen_toks"] != self.config.gen_length and task not in self._warned:
+            self._warned.add(task)
+            log.warning("task %s: max_gen_toks=%s is not used; the canvas is gen_length=%d tokens", task,
+                        kw["max_gen_toks"], self.config.gen_length)
+        until = kw.get("until") or []
+        return [until] if isinstance(until, str) else [u for u in until if u]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from tqdm.auto import tqdm
+
+        from tdlm.decoding import decode
+
+        items = []
+        for i, req in enumerate(requests):
+            context, kw = req.args[0], dict(req.args[1] or {})
+            task = req.task_name or "?"
+            items.append((i, self._encode(context), self._check_kwargs(task, kw), task, req))
+        items.sort(key=lambda it: -len(it[1]))  # similar lengths share a batch (less padding)
+        out: list[str | None] = [None] * len(requests)
+        t0 = time.perf_counter()
+        bs = self.batch_size_per_call
+        with tqdm(total=len(items), desc=f"tdlm[{self.decode_config.policy}]", unit="req",
+                  disable=disable_tqdm or self.rank != 0) as bar:  # fmt: skip
+            for s in range(0, len(items), bs):
+                batch = items[s : s + bs]
+                res = decode(self.model, [it[1] for it in batch], self.decode_config, tokenizer=self.tokenizer,
+                             stop_ids=self.stop_ids)
+                for (i, _ids, until, task, req), r in zip(batch, res, strict=True):
+                    text = r.text
+                    for stop in until:
+                        text = text.split(stop, 1)[0]
+                    out[i] = text
+                    self.stats[task].append((r.nfe, r.seconds, len(r.tokens)))
+                    self.cache_hook.add_partial("generate_until", req.args, text)
+                bar.update(len(batch))
+        for task, st in self.decode_stats().items():
+            log.info("tdlm %s: %d requests, mean NFE %.2f, %.3f s/request, %.2f tokens/NFE (%.0f s this call)", task,
+                     st["requests"], st["nfe_mean"], st["seconds_mean"], st["tokens_per_nfe"], time.perf_counter() - t0)
+        return out  # type: ignore[return-value]

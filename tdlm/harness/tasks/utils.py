@@ -1,0 +1,53 @@
+"""Datasets and scoring of the shipped lm-evaluation-harness tasks (``tdlm_gsm8k``, ``tdlm_math500``, ``tdlm_mbpp``,
+``tdlm_arith``): the problems come from :func:`tdlm.tasks.load_task`, so the harness reads the same local benchmark
+copies (``data_dir`` from ``--metadata '{"data_dir": ...}'``, else ``$TDLM_DATA_DIR``, else ``../shared/benchmarks``;
+never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as ``eval/run.py``, and a
+completion is scored by :func:`tdlm.scoring.score` (Math-Verify gold first; MBPP in the sandbox), so a number from
+the harness and one from ``eval/run.py`` mean the same thing."""
+
+from __future__ import annotations
+
+import os
+
+import datasets
+
+
+def _dataset(task: str, data_dir: str | None) -> datasets.DatasetDict:
+    from tdlm.tasks import load_task
+
+    if data_dir is None and not os.environ.get("TDLM_DATA_DIR"):
+        from tdlm.tasks.base import default_data_dir
+
+        data_dir = str(default_data_dir())  # the pinned local copies: the harness never downloads them
+    t = load_task(task, data_dir if task != "arith" else None)
+    rows = [{"task": p.task, "id": p.id, "index": p.index, "prompt": p.prompt, "answer": p.answer,
+             "tests": list(p.tests), "test_imports": list(p.test_imports)} for p in t.problems]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+# custom_dataset callables: the harness passes the task metadata (and the model args) as keyword arguments.
+def gsm8k(data_dir: str | None = None, **_) -> datasets.DatasetDict:
+    return _dataset("gsm8k", data_dir)
+
+
+def math500(data_dir: str | None = None, **_) -> datasets.DatasetDict:
+    return _dataset("math500", data_dir)
+
+
+def mbpp(data_dir: str | None = None, **_) -> datasets.DatasetDict:
+    return _dataset("mbpp", data_dir)
+
+
+def arith(**_) -> datasets.DatasetDict:
+    return _dataset("arith", None)
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """``acc`` = 1.0 if the completion is correct (math: Math-Verify; code: every assert passes in the sandbox)."""
+    from tdlm.scoring import score
+    from tdlm.tasks import Problem
+
+    problem = Problem(task=doc["task"], id=doc["id"], index=int(doc["index"]), prompt=doc["prompt"],
+                      answer=doc["answer"], tests=tuple(doc.get("tests") or ()),
+                      test_imports=tuple(doc.get("test_imports") or ()))
+    return {"acc": float(score(problem, results[0]).correct)}

@@ -1,0 +1,151 @@
+"""Spatial key/value cache of the backbones' attention: Fast-dLLM's prefix and dual cache.
+
+Fast-dLLM (Wu et al., 2025; ``generate_with_prefix_cache`` / ``generate_with_dual_cache`` in
+NVlabs/Fast-dLLM ``llada/generate.py``) observes that in blockwise decoding the keys and values of
+positions outside the active block barely change while that block is decoded. At temperature 0 its
+semantics, which this module implements for both native backbones, are:
+
+* **refresh** - at each block start one full forward computes every position and stores the rotated
+  keys/values of every position at every layer (``SpatialKVCache.store``); its logits commit by the
+  decoding rule like any other evaluation (one NFE);
+* **prefix** - each later step of the block computes the *window* ``[s - shift, L)`` (the block and
+  everything after it); keys/values of the positions before the window come from the refresh;
+* **dual** - each later step computes only the window ``[s - shift, e)`` of the block ``[s, e)``;
+  keys/values on both sides come from the refresh, and the window's own entries are replaced by the
+  new ones (``SpatialKVCache.merged``).
+
+``shift`` is the backbone's ``logit_shift``: Dream predicts token s from the hidden state at s - 1, so
+its window starts one position to the left and includes that position (its keys/values are recomputed
+with the rest of the window). For LLaDA ``shift = 0`` and the window is exactly Fast-dLLM's.
+
+Attention inside a window step is the backbone's bidirectional attention of the window's queries over
+all L keys (padding keys excluded). Rotary positions are the canvas positions, so a cached key and a
+recomputed one are rotated alike. Where the cache is stored: :class:`SpatialKVCache` (one per decoding
+batch, rows aligned with the active requests); how one forward uses it: :class:`KVStep`, carried by
+:class:`tdlm.models.common.ForwardContext` to each block's attention (``spatial_attention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tdlm.errors import TDLMError
+
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+def check_cache_mode(mode: str) -> str:
+    if mode not in CACHE_MODES:
+        raise TDLMError(f"cache {mode!r} unknown; expected one of {', '.join(CACHE_MODES)}")
+    return mode
+
+
+@dataclass
+class SpatialKVCache:
+    """Rotated keys and values (B, H_kv, L, d_h) of every canvas position at every layer.
+
+    Written by a refresh (a full forward) for some or all rows; read by the window steps that follow.
+    A window step writes its recomputed entries into the rows it reads in place: those positions are
+    recomputed at every step of the block anyway, and the next block starts with a refresh.
+    """
+
+    mode: str
+    batch_size: int
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_cache_mode(self.mode)
+        if self.mode == "none":
+            raise TDLMError("cache 'none' keeps no keys/values; create a SpatialKVCache for 'prefix' or 'dual'")
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Refresh: keep the full-canvas k, v (b, H_kv, L, d_h) of ``layer`` for ``rows`` (None = every row)."""
+        if rows is None:
+            if k.shape[0] != self.batch_size:
+                raise TDLMError(f"spatial KV cache holds {self.batch_size} rows; a refresh gave {k.shape[0]}")
+            self.keys[layer], self.values[layer] = k, v
+            return
+        if layer not in self.keys:
+            self.keys[layer] = k.new_zeros((self.batch_size, *k.shape[1:]))
+            self.values[layer] = v.new_zeros((self.batch_size, *v.shape[1:]))
+        self.keys[layer][rows] = k
+        self.values[layer][rows] = v
+
+    def merged(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window step: the cached k, v of ``step.rows`` with the window's fresh entries written in.
+
+        k, v (b, H_kv, W, d_h) are the window's new keys/values; returns (b, H_kv, L, d_h).
+        """
+        if layer not in self.keys:
+            raise TDLMError(f"spatial KV cache has no entries for layer {layer}; a block starts with a refresh")
+        K, V = self.keys[layer], self.values[layer]
+        if step.rows is not None:
+            K, V = K[step.rows], V[step.rows]  # a copy: the window's entries never outlive this step
+        idx = step.positions()[:, None, :, None].expand(-1, K.shape[1], -1, K.shape[3])
+        fresh = step.fresh()
+        if fresh is not None:  # prefix with rows in different blocks: keep cached entries before a row's window
+            keep = ~fresh[:, None, :, None]
+            k = torch.where(keep, K.gather(2, idx), k)
+            v = torch.where(keep, V.gather(2, idx), v)
+        return K.scatter_(2, idx, k), V.scatter_(2, idx, v)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
+        index = index.to(torch.long)
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                store[layer] = t.index_select(0, index.to(t.device))
+        self.batch_size = int(index.numel())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())
+
+
+@dataclass
+class KVStep:
+    """How one forward uses a :class:`SpatialKVCache`: a refresh, or a window step.
+
+    ``rows`` are the cache rows this forward's batch rows are (None: all of them, in order). A window
+    step computes ``width`` canvas positions from ``start`` (b,) on; ``fresh_from`` (b,) is each row's
+    first position whose keys/values it recomputes (None: all window positions; prefix steps over rows
+    in different blocks share one window that starts at the leftmost row's and keep the cached entries
+    of the positions before each row's own window).
+    """
+
+    cache: SpatialKVCache
+    refresh: bool
+    rows: torch.Tensor | None = None
+    start: torch.Tensor | None = None
+    width: int = 0
+    fresh_from: torch.Tensor | None = None
+
+    def positions(self) -> torch.Tensor:
+        """(b, W) canvas positions of the window."""
+        return self.start[:, None] + torch.arange(self.width, device=self.start.device)
+
+    def fresh(self) -> torch.Tensor | None:
+        """(b, W) bool: window positions whose keys/values are recomputed; None when all are."""
+        if self.fresh_from is None:
+            return None
+        return self.positions() >= self.fresh_from[:, None]
+
+    @classmethod
+    def window(
+        cls,
+        cache: SpatialKVCache,
+        block_start: torch.Tensor,
+        block_size: int,
+        length: int,
+        shift: int,
+        rows: torch.Tensor | None = None,
+    ) -> KVStep:
+        """The window step of ``cache.mode`` for rows whose active blocks start at canvas ``block_start`` (b,)."""
+        first = block_start - shift  # Dream: the hidden state left of the block predicts its first token
+        if cache.mode == "dual":
+            return cls(cache, False, rows, first, block_size + shift)
+        lo = int(first.min())
+        fresh_from = None if bool((first == lo).all()) else first
+        return cls(cache, False, rows, torch.full_like(first, lo), length - lo, fresh_from)

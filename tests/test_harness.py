@@ -1,0 +1,129 @@
+"""lm-evaluation-harness: the registered ``tdlm`` model on the shipped tiny-arith backbone with a TDLM adapter, and
+the shipped offline task files. The harness's numbers must be tdlm's own: the same generations, scores and NFE as
+``tdlm.decode`` on the same prompts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tdlm
+from tdlm.scoring import score
+from tdlm.tasks import load_task
+from tests.conftest import randomize_temporal
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = "backbone=tiny-arith,policy=tdlm,threshold=0.9,gen_length=40,block_size=40,dtype=float32"
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    bb = tdlm.load_backbone("tiny-arith", dtype="float32")
+    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="dispersed:3", heads=2, head_dim=32))
+    randomize_temporal(model, seed=5)  # a nonzero adapter: tdlm decoding differs from threshold
+    return model.save_pretrained(tmp_path_factory.mktemp("adapter") / "ad")
+
+
+def _reference(adapter: Path, n: int) -> tuple[list, list]:
+    """tdlm's own decoding of the first n held-out problems, through the chat template, one request at a time."""
+    bb = tdlm.load_backbone("tiny-arith", dtype="float32")
+    model = tdlm.TDLM.from_pretrained(bb, adapter)
+    tok = tdlm.tokenizer.load_tokenizer("tiny-arith")
+    problems = list(load_task("arith", limit=n))
+    ids = tdlm.tokenizer.encode_prompts(tok, [p.prompt for p in problems])
+    res = [tdlm.decode(model, [i], policy="tdlm", threshold=0.9, gen_length=40, block_size=40, tokenizer=tok,
+                       stop_ids=tdlm.tokenizer.stop_token_ids(tok, bb.eos_token_id))[0] for i in ids]
+    return problems, res
+
+
+def test_harness_serves_generate_until_through_tdlm_decode(adapter, one_thread):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import tdlm.harness
+
+    n = 7
+    out = lm_eval.simple_evaluate(model="tdlm", model_args=f"{ARGS},adapter={adapter}", tasks=["tdlm_arith"],
+                                  limit=n, batch_size=3, log_samples=True,
+                                  task_manager=TaskManager(include_path=tdlm.harness.TASKS_DIR))
+    problems, ref = _reference(adapter, n)
+    samples = sorted(out["samples"]["tdlm_arith"], key=lambda s: s["doc_id"])
+    assert [s["resps"][0][0] for s in samples] == [r.text for r in ref]  # batched (3) == per request
+    correct = [score(p, r.text).correct for p, r in zip(problems, ref, strict=True)]
+    assert out["results"]["tdlm_arith"]["acc,none"] == pytest.approx(sum(correct) / n)
+    stats = out["config"]["tdlm"]["decode_stats"]["tdlm_arith"]
+    assert stats["requests"] == n
+    assert stats["nfe_mean"] == pytest.approx(sum(r.nfe for r in ref) / n)
+    assert out["config"]["tdlm"]["policy"] == "tdlm" and out["config"]["tdlm"]["adapter"] == str(adapter)
+
+
+def test_chat_template_stop_sequences_and_refusals(adapter, one_thread):
+    from lm_eval.api.instance import Instance
+
+    from tdlm.harness import TDLMHarnessLM
+
+    lm = TDLMHarnessLM(backbone="tiny-arith", adapter=str(adapter), gen_length=40, block_size=40, dtype="float32",
+                       batch_size=2)
+    problems, ref = _reference(adapter, 2)
+
+    def req(ctx: str, **kw) -> Instance:
+        return Instance("generate_until", doc={}, arguments=(ctx, {"until": [], **kw}), idx=0,
+                        metadata=("probe", 0, 1))
+
+    # chat=true (default): a raw context goes through the template as one user message
+    assert lm.generate_until([req(p.prompt) for p in problems]) == [r.text for r in ref]
+    # --apply_chat_template: the harness renders the conversation; the rendered text is not templated twice
+    lm2 = TDLMHarnessLM(backbone="tiny-arith", adapter=str(adapter), gen_length=40, block_size=40, dtype="float32")
+    rendered = lm2.apply_chat_template([{"role": "user", "content": problems[0].prompt}])
+    assert rendered.startswith("<|bos|><|user|>") and rendered.endswith("<|assistant|>")
+    assert lm2.generate_until([req(rendered)]) == [ref[0].text]
+    # stop sequences cut the text at the first of them
+    assert "=" in ref[0].text
+    assert lm.generate_until([req(problems[0].prompt, until=["=", "zzz"])]) == [ref[0].text.split("=", 1)[0]]
+    with pytest.raises(tdlm.TDLMError, match="decodes greedily"):
+        lm.generate_until([req("1+1=?", do_sample=True, temperature=0.7)])
+    with pytest.raises(tdlm.TDLMError, match="generate_until tasks only"):
+        lm.loglikelihood([Instance("loglikelihood", doc={}, arguments=("1+1=", "2"), idx=0)])
+    with pytest.raises(tdlm.TDLMError, match=r"--model_args: unknown key\(s\) \['layers'\]"):
+        TDLMHarnessLM(backbone="tiny-arith", layers="all")
+    with pytest.raises(tdlm.TDLMError, match="policy=tdlm needs adapter="):
+        TDLMHarnessLM(backbone="tiny-arith", policy="tdlm")
+    with pytest.raises(tdlm.TDLMError, match="no 'auto'"):
+        TDLMHarnessLM(backbone="tiny-arith", batch_size="auto")
+
+
+def test_shipped_tasks_read_the_local_benchmark_copies(monkeypatch):
+    from tdlm.harness.tasks import utils
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("TDLM_DATA_DIR", raising=False)
+    sizes = {"gsm8k": 1319, "math500": 500, "mbpp": 257, "arith": 500}
+    for name, n in sizes.items():
+        ds = getattr(utils, name)(backbone="ignored", version=1.0)["test"]  # the harness passes metadata along
+        assert len(ds) == n, name
+        assert ds[0]["prompt"] == load_task(name)[0].prompt
+    doc = utils.gsm8k()["test"][0]
+    assert utils.process_results(doc, [f"... so the answer is \\boxed{{{doc['answer']}}}"]) == {"acc": 1.0}
+    assert utils.process_results(doc, ["\\boxed{-1}"]) == {"acc": 0.0}
+    for path in sorted((REPO / "tdlm" / "harness" / "tasks").glob("*.yaml")):
+        text = path.read_text()
+        assert "custom_dataset: !function utils." in text and "dataset_path" not in text, path.name
+
+
+@pytest.mark.slow
+def test_python_m_tdlm_harness_cli(adapter, tmp_path):
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tdlm.harness", "--model", "tdlm", "--model_args",
+                           f"{ARGS},adapter={adapter}", "--tasks", "tdlm_arith", "--limit", "4", "--batch_size", "2",
+                           "--output_path", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (result,) = list((tmp_path / "out").glob("*/results_*.json"))
+    data = json.loads(result.read_text())
+    assert data["results"]["tdlm_arith"]["sample_len"] == 4
+    assert data["config"]["tdlm"]["decode_stats"]["tdlm_arith"]["requests"] == 4
+    assert "mean NFE" in proc.stderr + proc.stdout
