@@ -83,6 +83,7 @@ EVAL_SPLITS: dict[str, EvalSplit] = {
         EvalSplit("mbpp", "mbpp test problems", "prompt", ("google-research-datasets/mbpp", "mbpp"), "test",
                   ("mbpp_sanitized_test.jsonl",)),  # fmt: skip
         EvalSplit("arith", "arith held-out (test split) problems", "question"),  # generated, see tdlm.toydata
+        EvalSplit("multi", "multi held-out (test split) problems", "question"),  # generated, see tdlm.toydata
     )
 }
 

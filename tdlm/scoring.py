@@ -7,7 +7,9 @@ Math (Kydlíček et al., huggingface/Math-Verify; the settings of its README and
 - gold: GSM8K ``Problem.answer`` (the number after ``####``, commas removed) with ``ExprExtractionConfig()``;
   MATH-500 ``\\boxed{<answer>}`` with ``LatexExtractionConfig(boxed_match_priority=0)``. All 500 MATH-500 golds
   parse this way and verify against their own reference solutions (tests/test_scoring.py);
-- ``verify(gold, pred)``, gold first: the comparison is asymmetric.
+- ``verify(gold, pred)``, gold first: the comparison is asymmetric;
+- ``multi`` (the toy task with many surface forms): the prediction is the ``\\boxed{}`` content only
+  (``LatexExtractionConfig(boxed_match_priority=0)``), so a garbled response without a box never matches by accident.
 
 An empty parse is *unparsed* and counts as wrong. :attr:`Score.extracted` records the string Math-Verify matched.
 
@@ -47,7 +49,7 @@ from tdlm.errors import TDLMError
 from tdlm.sandbox import SandboxLimits, SandboxResult, run_python
 from tdlm.tasks.base import Problem
 
-MATH_TASKS = ("gsm8k", "math500", "arith")
+MATH_TASKS = ("gsm8k", "math500", "arith", "multi")
 CODE_TASKS = ("mbpp",)
 MATH_TIMEOUT_S = 5  # Math-Verify's per-parse / per-comparison limit (its default)
 HARD_TIMEOUT_S = 60.0  # Scorer: whole math job, incl. up to 2 parses and a few comparisons
@@ -83,12 +85,15 @@ def _configs() -> dict[str, Any]:
         "gsm8k": [ExprExtractionConfig()],
         "math500": [LatexExtractionConfig(boxed_match_priority=0)],
         "arith": [ExprExtractionConfig()],
+        "multi": [ExprExtractionConfig()],
+        # multi-v1 is scored by its boxed result only: no fallback to the last number of a garbled response
+        "pred:multi": [LatexExtractionConfig(boxed_match_priority=0)],
     }
 
 
 def gold_text(task: str, answer: str) -> str:
     """The string that is parsed as gold: the GSM8K number as is, the MATH-500 answer inside ``\\boxed{}``."""
-    if task in ("gsm8k", "arith"):
+    if task in ("gsm8k", "arith", "multi"):
         return answer.replace(",", "").strip()
     if task == "math500":
         return f"\\boxed{{{answer}}}"
@@ -127,7 +132,8 @@ def score_math(task: str, completion: str, answer: str, timeout_s: int = MATH_TI
     gold = parse_gold(task, answer, timeout_s)
     if not gold:
         return Score(False, "error", None, time.perf_counter() - t0, f"gold answer unparseable: {answer!r}")
-    pred = parse(completion, extraction_config=_configs()["pred"], parsing_timeout=timeout_s)
+    pred_config = _configs().get(f"pred:{task}", _configs()["pred"])
+    pred = parse(completion, extraction_config=pred_config, parsing_timeout=timeout_s)
     if not pred:
         return Score(False, "unparsed", None, time.perf_counter() - t0)
     ok = bool(verify(gold, pred, timeout_seconds=timeout_s))

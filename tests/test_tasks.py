@@ -12,7 +12,7 @@ from tdlm.errors import TDLMError
 from tdlm.tasks import PROMPT_VERSIONS, TASK_NAMES, base, gsm8k, load_task, math500, mbpp
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
-EXPECTED = {"gsm8k": 1319, "math500": 500, "mbpp": 257, "arith": 500}
+EXPECTED = {"gsm8k": 1319, "math500": 500, "mbpp": 257, "arith": 500, "multi": 500}
 
 # Ratchet: sha256 over all prompts of a task. Changing a prompt without bumping its PROMPT_VERSION fails here;
 # after a deliberate change, bump the version and record the new hash under the new key.
@@ -21,6 +21,7 @@ PROMPT_SHA256 = {
     "math500-v1": "91bd38f20c1b10e97ce637819fc726eae9c92c51070763079a14100117aa8bd8",
     "mbpp-v1": "69ed3044282be298415a7450b64630430dd09a9dcfdef887aa564c2b785e195e",
     "arith-v1": "339f22e8e27075518b4a243afc57e34fc4d9344f7c6e264082742db27e1125b1",
+    "multi-v1": "aac45dbaf0ec480b27013301995c5846f5957a4f17eedd4549363622d902c50f",
 }
 
 
@@ -43,7 +44,7 @@ def test_full_splits_load_with_stable_unique_ids(tasks):
         assert [p.index for p in task] == list(range(len(task)))
         assert all(p.task == name for p in task)
         assert task.prompt_version == PROMPT_VERSIONS[name]
-        assert task.source.startswith("generated:" if name == "arith" else f"local:{DATA}")
+        assert task.source.startswith("generated:" if name in ("arith", "multi") else f"local:{DATA}")
     assert tasks["gsm8k"][7].id == "gsm8k/0007"
     assert tasks["math500"][0].id == "math500/test/precalculus/807.json"
     assert tasks["mbpp"][0].id == "mbpp/11"

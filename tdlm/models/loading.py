@@ -244,9 +244,9 @@ def save_pretrained(
     n = len(shards)
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
-        name = f"model-{i:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"  # not `name`: that is the backbone id below
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in state.values())
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)

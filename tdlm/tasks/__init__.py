@@ -10,6 +10,7 @@
 | math500   | HuggingFaceH4/MATH-500 test  | 500      | math500-v1     | accuracy |
 | mbpp      | mbpp sanitized test          | 257      | mbpp-v1        | pass@1   |
 | arith     | generated (tdlm.toydata)     | 500      | arith-v1       | accuracy |
+| multi     | generated (tdlm.toydata)     | 500      | multi-v1       | accuracy |
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import os
 from collections.abc import Callable
 
 from tdlm.errors import TDLMError
-from tdlm.tasks import arith, gsm8k, math500, mbpp
+from tdlm.tasks import arith, gsm8k, math500, mbpp, multi
 from tdlm.tasks.base import DATA_DIR_ENV, Problem, Task
 
 _LOADERS: dict[str, Callable[..., Task]] = {
-    gsm8k.NAME: gsm8k.load, math500.NAME: math500.load, mbpp.NAME: mbpp.load, arith.NAME: arith.load
+    gsm8k.NAME: gsm8k.load, math500.NAME: math500.load, mbpp.NAME: mbpp.load, arith.NAME: arith.load,
+    multi.NAME: multi.load,
 }
 TASK_NAMES: tuple[str, ...] = tuple(_LOADERS)
 PROMPT_VERSIONS: dict[str, str] = {
@@ -30,6 +32,7 @@ PROMPT_VERSIONS: dict[str, str] = {
     math500.NAME: math500.PROMPT_VERSION,
     mbpp.NAME: mbpp.PROMPT_VERSION,
     arith.NAME: arith.PROMPT_VERSION,
+    multi.NAME: multi.PROMPT_VERSION,
 }
 
 
