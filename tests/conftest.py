@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+from tdlm.model import TDLM, TemporalConfig
+from tdlm.models.loading import load_backbone
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,3 +143,31 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if timer is not None:
             timer.cancel()
+
+
+def sharp_backbone(name: str = "tiny-llada", scale: float = 60.0):
+    """A tiny random backbone with a peaky head, so confidences spread over (0, 1] and blocks take several
+    steps under the threshold rule."""
+    bb = load_backbone(name)
+    head = bb.model.transformer.ff_out if bb.family == "llada" else bb.lm_head
+    with torch.no_grad():
+        head.weight.mul_(scale)
+    return bb
+
+
+def live_tdlm(bb, history: str = "full", seed: int = 0) -> TDLM:
+    """TDLM with every temporal weight drawn from a seeded generator (the same in every process) and a
+    nonzero W_O; latent:M also gets large initial latents."""
+    model = TDLM(bb, TemporalConfig(layers="all", history=history))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.temporal.named_parameters():
+            if p.dim() == 2 and not name.endswith("memory.latents"):
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+        for mod in model.temporal.values():
+            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.5)
+            mod.sink.fill_(float(torch.randn((), generator=g)))
+            latents = getattr(getattr(mod, "memory", None), "latents", None)
+            if latents is not None:
+                latents.copy_(torch.randn(latents.shape, generator=g))
+    return model

@@ -8,29 +8,7 @@ import torch
 import tdlm
 from tdlm.decoding import DecodeConfig, decode
 from tdlm.trajectories import TrajectoryRecord, state_at, validate_record
-
-
-def sharp_backbone(name: str = "tiny-llada", scale: float = 60.0):
-    """A tiny random backbone with a peaky head, so confidences spread over (0, 1]."""
-    bb = tdlm.load_backbone(name)
-    head = bb.model.transformer.ff_out if bb.family == "llada" else bb.lm_head
-    with torch.no_grad():
-        head.weight.mul_(scale)
-    return bb
-
-
-def live_tdlm(bb, history: str = "full", seed: int = 0) -> tdlm.TDLM:
-    """Every temporal weight from a seeded generator (W_Q/W_K/W_V were left to the global RNG, so each
-    process decoded with another adapter and the tests saw a different trajectory per run)."""
-    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.temporal.values():
-            for lin in (mod.q_proj, mod.k_proj, mod.v_proj):
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.in_features**0.5)
-            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.5)
-    return model
-
+from tests.conftest import live_tdlm, sharp_backbone
 
 PROMPTS = [[3, 4, 40, 41, 42, 43, 44, 45, 46], [3, 4, 60, 61], [3, 4, 70, 71, 72, 73, 74]]
 KW = dict(gen_length=32, block_size=8)

@@ -43,40 +43,13 @@ from tdlm.evaluation.report import method_label
 from tdlm.generation import GenerationConfig
 from tdlm.models.common import apply_rope, rope_cos_sin
 from tdlm.models.kv_cache import KVStep, SpatialKVCache
+from tests.conftest import live_tdlm, sharp_backbone
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[3, 4, 40, 41, 42, 43, 44, 45, 46], [3, 4, 60, 61], [3, 4, 70, 71, 72, 73, 74]]
 KW = dict(gen_length=32, block_size=8)
 TAU = 0.6
-
-
-def sharp_backbone(name: str, scale: float = 60.0):
-    """A tiny random backbone with a peaky head, so confidences spread over (0, 1] and blocks take several
-    steps under the threshold rule (as in tests/test_decoding.py)."""
-    bb = tdlm.load_backbone(name)
-    head = bb.model.transformer.ff_out if bb.family == "llada" else bb.lm_head
-    with torch.no_grad():
-        head.weight.mul_(scale)
-    return bb
-
-
-def live_tdlm(bb, history: str = "full", seed: int = 0) -> tdlm.TDLM:
-    """TDLM with every temporal weight drawn from a seeded generator (the same in every process) and a
-    nonzero W_O; latent:M also gets large initial latents."""
-    model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", history=history))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.temporal.named_parameters():
-            if p.dim() == 2 and not name.endswith("memory.latents"):
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-        for mod in model.temporal.values():
-            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.5)
-            mod.sink.fill_(float(torch.randn((), generator=g)))
-            latents = getattr(getattr(mod, "memory", None), "latents", None)
-            if latents is not None:
-                latents.copy_(torch.randn(latents.shape, generator=g))
-    return model
 
 
 def _key(r):
