@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make demo` (the whole pipeline on the embedded default)
+# Two entry points for a fresh machine: `make demo` (the whole pipeline on the shipped tiny-multi backbone)
 # and `make test` (the suite). Both create .venv on first use.
 PY ?= python3
 VENV ?= .venv

@@ -1,7 +1,7 @@
-"""Compare demo adapters on a *validation* split, never the held-out test split.
+"""Compare tiny-arith adapters (the demo task until 2026-11-30) on a *validation* split, never the test split.
 
-The demo's recipe choices (teacher policy, steps, ...) are made here, so the test split that
-``make demo`` reports stays untouched. Validation problems are the ``prompts`` stream of
+The tiny-arith recipe choices (teacher policy, block size) were made here, so the test split that the
+arith demo reported stayed untouched. Validation problems are the ``prompts`` stream of
 ``tdlm.toydata`` after the first ``--skip`` (the teacher prompts), minus any question that also
 appears among the teacher prompts; the test split is disjoint from that stream by construction.
 

@@ -1,8 +1,9 @@
 """Does the ``multi-v1`` backbone give parallel decoding something to win?  Checked on the *validation* split only.
 
 Decodes the ``multi-v1`` validation problems (``tdlm.tasks.multi.load_split("validation")``; the held-out test split
-is never read here) with ``original`` and with ``threshold`` over a tau sweep, one block spanning the whole response
-(the demo's regime), greedy, fp32, and prints:
+is never read here) with ``original`` and with ``threshold`` over a tau sweep, and with each ``--adapter`` (policy
+``tdlm``) over the same sweep, one block spanning the whole response (the demo's regime), greedy, fp32, and prints
+(the recipe search of ``make demo`` was run with it: bench/results/multi_recipe_search.json):
 
 1. the trade-off table: accuracy (Math-Verify on the boxed result) with its standard error, the share of responses
    that are a correct worked solution (three true steps in order and the right box, styles may mix:
@@ -17,6 +18,8 @@ Writes everything as JSON (``--out``). Usage::
 
     OMP_NUM_THREADS=1 python scripts/validate_multi_backbone.py                      # tiny-multi, 300 problems
     python scripts/validate_multi_backbone.py --problems 20 --taus 0.9 --out /tmp/x.json   # a smoke run
+    python scripts/validate_multi_backbone.py --no-original --no-threshold --no-diagnostic \\
+        --adapter e=runs/multi/train_e/adapter --taus 0.99 0.95 0.9 --out runs/multi/val_e.json  # a recipe candidate
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ def main() -> int:
     ap.add_argument("--backbone", default="tiny-multi")
     ap.add_argument("--problems", type=int, default=None, help="first N validation problems (default: all)")
     ap.add_argument("--taus", type=float, nargs="+", default=[0.9, 0.7, 0.5, 0.3])
+    ap.add_argument("--adapter", action="append", default=[], metavar="LABEL=DIR",
+                    help="also decode with this TDLM adapter (policy tdlm) at every --taus; repeatable")
+    ap.add_argument("--history", default=None,
+                    help="decode the adapters with this history (full, last:k, current; default: their own)")
+    ap.add_argument("--no-original", action="store_true", help="skip the original-policy row")
+    ap.add_argument("--no-threshold", action="store_true", help="skip the threshold-policy rows")
+    ap.add_argument("--no-diagnostic", action="store_true",
+                    help="skip the prediction-change replay (one extra evaluation pass per row)")
     ap.add_argument("--block-size", type=int, default=None, help="default: the whole response (one block)")
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--min-masked", type=int, default=3)
@@ -68,25 +79,39 @@ def main() -> int:
     probs = [MultiProblem(p.id, p.prompt, tuple(p.raw["nums"]), tuple(p.raw["ops"]), int(p.answer), "") for p in task]
     forms = [set(p.surface_forms()) for p in probs]
 
-    settings = [("original", None)] + [("threshold", tau) for tau in args.taus]
+    from tdlm.model import TDLM
+
+    settings: list[tuple[str, str, float | None, object]] = []
+    if not args.no_original:
+        settings.append(("original", "original", None, bb))
+    if not args.no_threshold:
+        settings += [(f"threshold tau={tau:g}", "threshold", tau, bb) for tau in args.taus]
+    for spec in args.adapter:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            ap.error(f"--adapter {spec!r}: expected LABEL=DIR")
+        model = TDLM.from_adapter(bb, path, history=args.history)
+        hist = f" history={args.history}" if args.history else ""
+        settings += [(f"tdlm[{label}]{hist} tau={tau:g}", "tdlm", tau, model) for tau in args.taus]
     rows = []
-    for policy, tau in settings:
+    for method, policy, tau, model in settings:
         t0 = time.time()
         results = []
         for s in range(0, len(prompts), args.batch_size):
-            results += decode(bb, prompts[s : s + args.batch_size], policy=policy, threshold=tau or 0.9,
-                              gen_length=gen, block_size=block, tokenizer=tok, stop_ids=stop, record_states=True)
+            results += decode(model, prompts[s : s + args.batch_size], policy=policy, threshold=tau or 0.9,
+                              gen_length=gen, block_size=block, tokenizer=tok, stop_ids=stop,
+                              record_states=not args.no_diagnostic)
         decode_s = time.time() - t0
         correct = [bool(score_math("multi", r.text, p.answer).correct) for r, p in zip(results, task, strict=True)]
         valid = [r.text.strip() in f for r, f in zip(results, forms, strict=True)]
         worked = [p.is_worked_solution(r.text) for r, p in zip(results, probs, strict=True)]
         nfe = [r.nfe for r in results]
-        histories = [RequestHistory(replay_argmax(bb, r.prompt_ids, r.states), r.reveal_step, r.tokens)
-                     for r in results]  # fmt: skip
+        histories = [] if args.no_diagnostic else [
+            RequestHistory(replay_argmax(model, r.prompt_ids, r.states), r.reveal_step, r.tokens) for r in results]
         n = len(results)
         acc = sum(correct) / n
         row = {
-            "method": policy if tau is None else f"threshold tau={tau:g}",
+            "method": method,
             "policy": policy,
             "tau": tau,
             "problems": n,

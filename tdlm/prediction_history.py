@@ -119,3 +119,24 @@ def change_statistics(histories: Iterable[RequestHistory], min_masked: int = 3,
         "final_equals_lag": {k: _rate(lag_agree[k], lag_n[k]) for k in range(1, MAX_LAG + 1) if lag_n[k]},
         "replay_agreement": _rate(agree_commit, n),
     }
+
+
+def decode_histories(model: Backbone | TDLM, prompts: Sequence[Sequence[int]], policy: str, threshold: float,
+                     gen_length: int, block_size: int, tokenizer=None, stop_ids=None, batch_size: int = 50,
+                     progress: bool = False) -> tuple[list, list[RequestHistory]]:  # fmt: skip
+    """Decode ``prompts`` (greedy, recording states) and replay each request's argmax history.
+
+    Returns the :class:`tdlm.decoding.DecodeResult` list and one :class:`RequestHistory` per request, ready for
+    :func:`change_statistics`. ``model`` is the plain backbone for ``original`` / ``threshold`` / ``entropy`` and a
+    :class:`tdlm.TDLM` for ``tdlm``.
+    """
+    from tdlm.decoding import decode
+
+    results: list = []
+    for s in range(0, len(prompts), batch_size):
+        results += decode(model, [list(p) for p in prompts[s : s + batch_size]], policy=policy, threshold=threshold,
+                          gen_length=gen_length, block_size=block_size, tokenizer=tokenizer, stop_ids=stop_ids,
+                          record_states=True, progress=progress)  # fmt: skip
+    histories = [RequestHistory(replay_argmax(model, r.prompt_ids, r.states), r.reveal_step, r.tokens)
+                 for r in results]  # fmt: skip
+    return results, histories

@@ -125,6 +125,16 @@ def test_demo_teacher_prompts_are_disjoint_from_the_held_out_split(tmp_path):
     assert store.provenance["contamination"]["eval_split"] is None
 
 
+def test_multi_demo_teacher_prompts_are_disjoint_from_the_held_out_split(tmp_path):
+    """make demo's teacher prompts (the multi-v1 'prompts' split) pass the check against the multi test split."""
+    from tdlm.demo import write_prompts
+
+    write_prompts(tmp_path / "prompts.jsonl", 512, "multi")
+    store = prepare(cfg_for(tmp_path / "out", str(tmp_path / "prompts.jsonl"), num_prompts=512, shard_size=64))
+    assert store.provenance["contamination"]["overlap"]["multi"] == 0
+    assert store.provenance["contamination"]["eval_split"] is None
+
+
 # -- refusal at generation --------------------------------------------------------------------------
 HUB_EVAL = [
     ("openai/gsm8k", "main", "test", "gsm8k"),

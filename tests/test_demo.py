@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 import tdlm
-from tdlm.demo import DemoPlan, _card_accuracy, _reproduction, ensure_toy_trajectories, judge
+from tdlm.demo import (
+    DemoPlan,
+    _card_accuracy,
+    _reproduction,
+    diagnostic_table,
+    ensure_toy_trajectories,
+    frontier_table,
+    judge,
+    standard_error,
+)
 from tdlm.trajectories import read_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,14 +77,47 @@ def test_judge_states_the_target_honestly():
 
 def test_report_rechecks_the_model_card():
     card = {"test_accuracy_original": {"block40": 0.798, "block8": 0.764}, "test_size": 500}
-    assert _card_accuracy(card) == "79.8% with block 40, 76.4% with block 8 (500 problems)"
+    assert _card_accuracy(card) == "79.8% with block 40, 76.4% with block 8 (500 held-out test problems)"
     assert _card_accuracy({}) == "not recorded"
-    plan = DemoPlan(Path("x"), prompts=8, train_steps=1, test_problems=500, thresholds=(0.9,), block_size=40)
+    multi = json.loads((REPO / "tdlm" / "assets" / "tiny-multi" / "training.json").read_text())
+    text = _card_accuracy(multi)
+    assert text.startswith("66.3% with block 56") and "300 validation problems" in text
+    plan = DemoPlan(Path("x"), prompts=8, train_steps=1, test_problems=500, thresholds=(0.9,), tdlm_thresholds=(0.9,),
+                    diagnostic_problems=1, block_size=40)
     same = _reproduction([{"policy": "original", "n": 500, "accuracy": 0.798}], card, plan)
     assert "79.8%" in same and "(identical)" in same
     assert "(DIFFERENT)" in _reproduction([{"policy": "original", "n": 500, "accuracy": 0.79}], card, plan)
     # a subset of the split cannot reproduce the card's number: say nothing rather than compare
     assert _reproduction([{"policy": "original", "n": 12, "accuracy": 0.798}], card, plan) == ""
+
+
+def test_frontier_table_gives_standard_errors_and_nfe_ratios():
+    assert standard_error(0.5, 100) == pytest.approx(0.05)
+    runs = [{"policy": "tdlm", "threshold": 0.9, "n": 400, "accuracy": 0.6, "nfe_mean": 15.0},
+            {"policy": "threshold", "threshold": 0.7, "n": 400, "accuracy": 0.5, "nfe_mean": 16.0},
+            {"policy": "threshold", "threshold": 0.9, "n": 400, "accuracy": 0.66, "nfe_mean": 30.0},
+            {"policy": "original", "threshold": None, "n": 400, "accuracy": 0.66, "nfe_mean": 56.0}]
+    lines = frontier_table(runs).splitlines()[2:]
+    assert [ln.split(" | ")[:2] for ln in lines] == [["| original", "-"], ["| threshold", "0.9"],
+                                                     ["| threshold", "0.7"], ["| tdlm", "0.9"]]
+    assert "| 60.0 ± 2.4% | 15.00 | 0.50x |" in lines[3] and "1.87x" in lines[0]
+
+
+def test_diagnostic_table_reads_change_statistics():
+    from tdlm.prediction_history import RequestHistory, change_statistics
+
+    h = RequestHistory(argmax=[[5, 7], [6, 7], [6, 7]], reveal_step=[3, 3], tokens=[6, 7])
+    row = {"method": "TDLM", **change_statistics([h], min_masked=3)}
+    table = diagnostic_table([row, {"method": "backbone (threshold)", "positions": 0}])
+    # position 0: argmax 5, 6 -> 6 (one of two earlier evaluations agrees); position 1: 7 throughout
+    assert "| TDLM | 2 | 3.0 | 50.0% | 75.0% | 50.0% | 100.0% / 50.0% / - / - |" in table
+    assert "| backbone (threshold) | 0 |" in table
+    from tdlm.demo import diagnostic_summary
+
+    text = diagnostic_summary([row, {"method": "backbone (threshold)", "positions": 0}])
+    assert "TDLM: 2 positions waited 3.0 evaluations" in text and "50% of them changed" in text
+    assert "first evaluation's argmax 50%" in text and "previous evaluation's 100%" in text
+    assert "backbone (threshold): no position stayed masked" in text
 
 
 @pytest.mark.slow
@@ -97,7 +139,43 @@ def test_demo_fast_runs_every_stage(tmp_path):
     # the shipped weights are bf16 on disk; every stage computes in fp32 (as training and the model card)
     assert json.loads((out / "trajectories" / "manifest.json").read_text())["settings"]["dtype"] == "float32"
     assert {r["dtype"] for r in ev["runs"]} == {"float32"}
+    assert {r["task"] for r in ev["runs"]} == {"multi"} and {r["backbone"] for r in ev["runs"]} == {"tiny-multi"}
     report = json.loads((out / "report.json").read_text())
     assert report["verdict"] and "target_met" in report
-    assert "Target" in (out / "report.md").read_text()
+    assert [d["method"] for d in report["diagnostic"]] == ["backbone (threshold)", "TDLM"]
+    assert all(0.0 < r["accuracy_se"] or r["accuracy"] in (0.0, 1.0) for r in report["runs"])
+    text = (out / "report.md").read_text()
+    assert "Target" in text and "## Frontiers" in text and "## Diagnostic" in text
     assert list(out.glob("pareto_*.png"))
+
+
+def test_a_demo_folder_of_another_recipe_is_moved_aside(tmp_path, capsys):
+    from tdlm.demo import demo_stamp, set_aside_other_demo
+
+    out = tmp_path / "demo"
+    (out / "trajectories").mkdir(parents=True)  # e.g. the former tiny-arith demo: stages, no stamp
+    set_aside_other_demo(out, "full")
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("demo.previous-")]
+    assert len(moved) == 1 and (moved[0] / "trajectories").is_dir() and "moved to" in capsys.readouterr().out
+    assert json.loads((out / "demo.json").read_text()) == demo_stamp("full") and not (out / "trajectories").exists()
+    (out / "train").mkdir()
+    set_aside_other_demo(out, "full")  # same stamp: the stages stay and resume
+    assert (out / "train").is_dir()
+    set_aside_other_demo(out, "fast")  # another mode: set aside
+    assert not (out / "train").exists() and (out / "demo.json").exists()
+
+
+def test_demo_recipe_configs_agree_with_each_other():
+    """configs/gen_tiny_multi.yaml feeds configs/tiny_multi.yaml: same backbone, the training data is the generation
+    output, one block of multi-v1's full length, and both parse through the real entry points."""
+    from tdlm.config import load_config
+    from tdlm.demo import DEMO_BACKBONE, DEMO_GEN_CONFIG, DEMO_TRAIN_CONFIG
+    from tdlm.generation import GenerationConfig
+    from tdlm.toydata import MULTI_GEN_LENGTH
+    from tdlm.training.launch import parse_launch
+
+    gen = load_config(GenerationConfig, REPO / DEMO_GEN_CONFIG)
+    run = parse_launch(["--ds", str(REPO / "ds_configs/zero3.json"), "--config", str(REPO / DEMO_TRAIN_CONFIG)]).run
+    assert gen.backbone == run.model.backbone == DEMO_BACKBONE
+    assert gen.output_dir == run.data.trajectories
+    assert gen.gen_length == gen.block_size == MULTI_GEN_LENGTH and gen.dtype == "float32"

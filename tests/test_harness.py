@@ -101,7 +101,7 @@ def test_shipped_tasks_read_the_local_benchmark_copies(monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("TDLM_DATA_DIR", raising=False)
-    sizes = {"gsm8k": 1319, "math500": 500, "mbpp": 257, "arith": 500}
+    sizes = {"gsm8k": 1319, "math500": 500, "mbpp": 257, "arith": 500, "multi": 500}
     for name, n in sizes.items():
         ds = getattr(utils, name)(backbone="ignored", version=1.0)["test"]  # the harness passes metadata along
         assert len(ds) == n, name

@@ -8,7 +8,7 @@ import torch
 import tdlm
 from tdlm.decoding import decode
 from tdlm.errors import TDLMError
-from tdlm.prediction_history import RequestHistory, change_statistics, replay_argmax
+from tdlm.prediction_history import RequestHistory, change_statistics, decode_histories, replay_argmax
 
 PROMPTS = [[3, 4, 40, 41, 42, 43, 44, 45, 46], [3, 4, 60, 61, 62, 63, 64, 65, 66]]  # equal lengths: no padding
 
@@ -78,3 +78,16 @@ def test_change_statistics_by_hand():
         change_statistics([RequestHistory(argmax[:2], [1, 3, 4, 4], [0, 6, 7, 9])])
     with pytest.raises(TDLMError, match="record_states"):
         replay_argmax(tdlm.load_backbone("tiny-llada"), [3, 4], [])
+
+
+def test_decode_histories_is_decode_then_replay():
+    """The demo's one-call helper returns decode()'s results (in prompt order, across its batches) and their replays."""
+    bb = sharp_backbone("tiny-llada")
+    model = live_tdlm(bb)
+    prompts = PROMPTS + [[3, 4, 50, 51, 52, 53, 54, 55, 56]]
+    results, histories = decode_histories(model, prompts, "tdlm", 0.8, 24, 24, batch_size=2)
+    ref = decode(model, prompts, policy="tdlm", threshold=0.8, gen_length=24, block_size=24, record_states=True)
+    assert [r.tokens for r in results] == [r.tokens for r in ref]
+    for r, h in zip(ref, histories, strict=True):
+        assert h.argmax == replay_argmax(model, r.prompt_ids, r.states)
+        assert h.reveal_step == r.reveal_step and h.tokens == r.tokens

@@ -11,8 +11,9 @@ From Python: ``import tdlm.harness; lm_eval.simple_evaluate(model="tdlm", model_
 task_manager=lm_eval.tasks.TaskManager(include_path=tdlm.harness.TASKS_DIR))``.
 
 Shipped tasks (``tdlm/harness/tasks``; tdlm's prompts and scoring, local benchmark copies): ``tdlm_gsm8k``,
-``tdlm_math500``, ``tdlm_mbpp`` (tag ``tdlm_table1``) and ``tdlm_arith`` (the embedded tiny-arith default). The
-harness's own generative tasks (``gsm8k_cot_zeroshot`` ...) work too where the Hub is reachable.
+``tdlm_math500``, ``tdlm_mbpp`` (tag ``tdlm_table1``), ``tdlm_arith`` (the tiny-arith backbone's held-out split) and
+``tdlm_multi`` (tiny-multi's multi-v1 test split; tag ``tdlm_tiny`` for both). The harness's own generative tasks
+(``gsm8k_cot_zeroshot`` ...) work too where the Hub is reachable.
 """
 
 from pathlib import Path

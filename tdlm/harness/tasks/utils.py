@@ -1,9 +1,9 @@
 """Datasets and scoring of the shipped lm-evaluation-harness tasks (``tdlm_gsm8k``, ``tdlm_math500``, ``tdlm_mbpp``,
-``tdlm_arith``): the problems come from :func:`tdlm.tasks.load_task`, so the harness reads the same local benchmark
-copies (``data_dir`` from ``--metadata '{"data_dir": ...}'``, else ``$TDLM_DATA_DIR``, else ``../shared/benchmarks``;
-never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as ``eval/run.py``, and a
-completion is scored by :func:`tdlm.scoring.score` (Math-Verify gold first; MBPP in the sandbox), so a number from
-the harness and one from ``eval/run.py`` mean the same thing."""
+``tdlm_arith``, ``tdlm_multi``): the problems come from :func:`tdlm.tasks.load_task`, so the harness reads the same
+local benchmark copies (``data_dir`` from ``--metadata '{"data_dir": ...}'``, else ``$TDLM_DATA_DIR``, else
+``../shared/benchmarks``; never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as
+``eval/run.py``, and a completion is scored by :func:`tdlm.scoring.score` (Math-Verify gold first; MBPP in the
+sandbox), so a number from the harness and one from ``eval/run.py`` mean the same thing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _dataset(task: str, data_dir: str | None) -> datasets.DatasetDict:
         from tdlm.tasks.base import default_data_dir
 
         data_dir = str(default_data_dir())  # the pinned local copies: the harness never downloads them
-    t = load_task(task, data_dir if task != "arith" else None)
+    t = load_task(task, data_dir if task not in ("arith", "multi") else None)
     rows = [{"task": p.task, "id": p.id, "index": p.index, "prompt": p.prompt, "answer": p.answer,
              "tests": list(p.tests), "test_imports": list(p.test_imports)} for p in t.problems]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
@@ -40,6 +40,10 @@ def mbpp(data_dir: str | None = None, **_) -> datasets.DatasetDict:
 
 def arith(**_) -> datasets.DatasetDict:
     return _dataset("arith", None)
+
+
+def multi(**_) -> datasets.DatasetDict:
+    return _dataset("multi", None)
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
