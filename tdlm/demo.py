@@ -252,6 +252,11 @@ def run_diagnostic(adapter: Path, plan: DemoPlan, min_masked: int = 3) -> list[d
     return rows
 
 
+def _lags(row: dict) -> dict[int, float]:
+    """``final_equals_lag`` with int keys (int in process, str after a JSON round trip)."""
+    return {int(k): v for k, v in row["final_equals_lag"].items()}
+
+
 def diagnostic_summary(rows: list[dict]) -> str:
     """One sentence per decoder from the diagnostic rows (numbers of this run only)."""
     parts = []
@@ -259,7 +264,7 @@ def diagnostic_summary(rows: list[dict]) -> str:
         if not r.get("positions"):
             parts.append(f"{r['method']}: no position stayed masked three or more evaluations.")
             continue
-        lags = {int(k): v for k, v in r["final_equals_lag"].items()}  # int keys in process, str after JSON
+        lags = _lags(r)
         text = (f"{r['method']}: {r['positions']} positions waited {r['mean_masked_evaluations']:.1f} evaluations on "
                 f"average and {100 * r['changed']:.0f}% of them changed their argmax while masked; the committed token "
                 f"was the first evaluation's argmax {100 * r['final_equals_first']:.0f}% of the time")
@@ -280,7 +285,7 @@ def diagnostic_table(rows: list[dict]) -> str:
         if not r["positions"]:
             lines.append(f"| {r['method']} | 0 | | | | | |")
             continue
-        lags = " / ".join(pct(r["final_equals_lag"].get(k)) for k in (1, 2, 4, 8))
+        lags = " / ".join(pct(_lags(r).get(k)) for k in (1, 2, 4, 8))
         lines.append(f"| {r['method']} | {r['positions']} | {r['mean_masked_evaluations']:.1f} | "
                      f"{pct(r['changed'])} | {pct(r['final_equals_earlier'])} | {pct(r['final_equals_first'])} | "
                      f"{lags} |")

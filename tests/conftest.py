@@ -54,12 +54,13 @@ def sampled_states(bb, prompt_len: int, N: int, seed: int, B: int = 2, K: int = 
     return torch.stack(rows)
 
 
-def randomize_temporal(model, seed: int = 0) -> None:
-    """Nonzero W_O and sink (and, for latent:M, initial latents large enough to matter)."""
-    g = torch.Generator().manual_seed(seed)
+def randomize_temporal(model, seed: int = 0, scale: float = 0.2, generator: torch.Generator | None = None) -> None:
+    """Nonzero W_O (``scale`` standard deviation) and sink (and, for latent:M, initial latents large enough to
+    matter), drawn from ``generator`` or a fresh one seeded with ``seed``."""
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.temporal.values():
-            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.2)
+            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * scale)
             mod.sink.fill_(float(torch.randn((), generator=g)))
             latents = getattr(getattr(mod, "memory", None), "latents", None)
             if latents is not None:
@@ -164,10 +165,5 @@ def live_tdlm(bb, history: str = "full", seed: int = 0) -> TDLM:
         for name, p in model.temporal.named_parameters():
             if p.dim() == 2 and not name.endswith("memory.latents"):
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-        for mod in model.temporal.values():
-            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.5)
-            mod.sink.fill_(float(torch.randn((), generator=g)))
-            latents = getattr(getattr(mod, "memory", None), "latents", None)
-            if latents is not None:
-                latents.copy_(torch.randn(latents.shape, generator=g))
+    randomize_temporal(model, scale=0.5, generator=g)  # continues the same stream: W_O, sink, latents
     return model

@@ -130,6 +130,8 @@ def test_multi_demo_teacher_prompts_are_disjoint_from_the_held_out_split(tmp_pat
     from tdlm.demo import write_prompts
 
     write_prompts(tmp_path / "prompts.jsonl", 512, "multi")
+    first = json.loads((tmp_path / "prompts.jsonl").read_text().splitlines()[0])
+    assert first["question"].endswith(" = ?")  # the multi form, not arith's "3+5=?"
     store = prepare(cfg_for(tmp_path / "out", str(tmp_path / "prompts.jsonl"), num_prompts=512, shard_size=64))
     assert store.provenance["contamination"]["overlap"]["multi"] == 0
     assert store.provenance["contamination"]["eval_split"] is None

@@ -118,6 +118,9 @@ def test_diagnostic_table_reads_change_statistics():
     assert "TDLM: 2 positions waited 3.0 evaluations" in text and "50% of them changed" in text
     assert "first evaluation's argmax 50%" in text and "previous evaluation's 100%" in text
     assert "backbone (threshold): no position stayed masked" in text
+    # report.json holds the rows after a JSON round trip (string lag keys): same table and text
+    again = json.loads(json.dumps([row]))
+    assert diagnostic_table(again) == diagnostic_table([row]) and diagnostic_summary(again) == diagnostic_summary([row])
 
 
 @pytest.mark.slow

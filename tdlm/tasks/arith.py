@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from tdlm.tasks.base import Problem, Task
+from tdlm.tasks.base import Task, generated_task
 from tdlm.toydata import TASK_VERSION, TEST_SIZE, split
 
 NAME = "arith"
@@ -18,17 +18,6 @@ METRIC = "accuracy"
 
 
 def load(data_dir: str | os.PathLike[str] | None = None, limit: int | None = None) -> Task:
-    problems = split("test", TEST_SIZE)
-    if limit is not None:
-        problems = problems[:limit]
-    return Task(
-        name=NAME,
-        prompt_version=PROMPT_VERSION,
-        metric=METRIC,
-        problems=tuple(
-            Problem(task=NAME, id=f"{NAME}/{i:06d}", index=i, prompt=p.question, answer=str(p.answer),
-                    raw={"question": p.question, "solution": p.solution})
-            for i, p in enumerate(problems)
-        ),
-        source=f"generated:{TASK_VERSION} seed=0 n={TEST_SIZE}",
-    )
+    problems = split("test", TEST_SIZE)[:limit]
+    rows = [(p.question, str(p.answer), {"question": p.question, "solution": p.solution}) for p in problems]
+    return generated_task(NAME, PROMPT_VERSION, METRIC, NAME, rows, f"generated:{TASK_VERSION} seed=0 n={TEST_SIZE}")

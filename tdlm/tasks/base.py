@@ -192,3 +192,17 @@ def apply_limit(problems: list[Problem], limit: int | None) -> tuple[Problem, ..
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
         raise TDLMError(f"limit: got {limit!r}, expected a non-negative int or None")
     return tuple(problems[:limit])
+
+
+def generated_task(name: str, prompt_version: str, metric: str, id_prefix: str,
+                   rows: Sequence[tuple[str, str, dict[str, Any]]], source: str) -> Task:  # fmt: skip
+    """A task whose problems are generated locally (``arith``, ``multi``): one (prompt, gold answer, raw record)
+    per problem, ids ``<id_prefix>/<index:06d>``."""
+    return Task(
+        name=name,
+        prompt_version=prompt_version,
+        metric=metric,
+        problems=tuple(Problem(task=name, id=f"{id_prefix}/{i:06d}", index=i, prompt=prompt, answer=answer, raw=raw)
+                       for i, (prompt, answer, raw) in enumerate(rows)),  # fmt: skip
+        source=source,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from tdlm.tasks.base import Problem, Task
+from tdlm.tasks.base import Task, generated_task
 from tdlm.toydata import MULTI_TASK_VERSION, MULTI_TEST_SIZE, MULTI_VALIDATION_SIZE, multi_split
 
 NAME = "multi"
@@ -28,17 +28,10 @@ def load_split(split: str, limit: int | None = None, seed: int = 0) -> Task:
     problems = multi_split(split, n, seed)
     # validation ids carry the split name, so records of the two splits can never be mixed up
     prefix = NAME if split == "test" else f"{NAME}-{split}"
-    return Task(
-        name=NAME,
-        prompt_version=PROMPT_VERSION,
-        metric=METRIC,
-        problems=tuple(
-            Problem(task=NAME, id=f"{prefix}/{i:06d}", index=i, prompt=p.question, answer=str(p.answer),
-                    raw={"question": p.question, "solution": p.solution, "nums": list(p.nums), "ops": list(p.ops)})
-            for i, p in enumerate(problems)
-        ),
-        source=f"generated:{MULTI_TASK_VERSION} split={split} seed={seed} n={SPLIT_SIZES[split]}",
-    )
+    rows = [(p.question, str(p.answer), {"question": p.question, "solution": p.solution, "nums": list(p.nums),
+                                         "ops": list(p.ops)}) for p in problems]  # fmt: skip
+    return generated_task(NAME, PROMPT_VERSION, METRIC, prefix, rows,
+                          f"generated:{MULTI_TASK_VERSION} split={split} seed={seed} n={SPLIT_SIZES[split]}")
 
 
 def load(data_dir: str | os.PathLike[str] | None = None, limit: int | None = None) -> Task:
