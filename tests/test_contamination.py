@@ -199,6 +199,7 @@ def test_arith_held_out_split_refused_by_content(tmp_path):
 
 
 # -- manifest ---------------------------------------------------------------------------------------
+@needs_data  # the check compares with the evaluation splits, read from ../shared/benchmarks
 def test_manifest_records_source_split_and_hashes(tmp_path, monkeypatch):
     """A Hugging Face-style source (a local dataset folder, loaded by datasets) with the default split."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
