@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_train_probe import TINY, build_backbone, run_config  # noqa: E402
 
-from tdlm.model import TDLM, TemporalConfig  # noqa: E402
 from tdlm.models.llada import LLaDAConfig  # noqa: E402
+from tdlm.temporal.model import TDLM, TemporalConfig  # noqa: E402
 from tdlm.training.planner import random_batch  # noqa: E402
 
 ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)

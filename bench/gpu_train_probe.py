@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from benchlib import write_result  # bench/ is sys.path[0] when run as a script
 
-from tdlm.model import TDLM, TemporalConfig
 from tdlm.models.llada import LLaDA, LLaDAConfig
+from tdlm.temporal.model import TDLM, TemporalConfig
 from tdlm.training.planner import (
     GiB,
     PeakMeter,

@@ -62,7 +62,7 @@ import torch
 from benchlib import build_tdlm, write_result  # bench/ is sys.path[0] when run as a script
 
 import tdlm
-from tdlm.adapter import sink_softmax, temporal_rope
+from tdlm.temporal.attention import sink_softmax, temporal_rope
 
 RESULTS_REL = "bench/results/temporal_overhead.json"
 RESULTS = Path(__file__).resolve().parent.parent / RESULTS_REL
@@ -239,7 +239,7 @@ def op_diff(run_backbone: Callable, run_tdlm: Callable, rounds: int) -> list[dic
 def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> list[dict]:
     """Median ms of each step of ``forward_step``'s insert at one temporal layer (same shapes as the bench).
 
-    Re-issues the calls ``tdlm/model.py`` makes, on random h; values do not affect CPU time here.
+    Re-issues the calls ``tdlm/temporal/model.py`` makes, on random h; values do not affect CPU time here.
     """
     layer = model.layer_ids[0]
     mod = model.temporal[str(layer)]

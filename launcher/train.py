@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tdlm.demo import ensure_toy_trajectories
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
     from tdlm.errors import TDLMError
     from tdlm.training import train
     from tdlm.training.config import DataConfig

@@ -38,7 +38,7 @@ Commands (from the repository root, venv active)::
 Teacher prompts must not be evaluation problems: the default split is ``train``, and a source that
 is (by name) or contains (by normalised-text hash) problems the evaluator scores - GSM8K test,
 MATH-500, MBPP test, the arith held-out split - is refused unless ``--allow-eval-prompts`` is given
-(tdlm/contamination.py). manifest.json records the prompt source, split, one hash per prompt and
+(tdlm/data/contamination.py). manifest.json records the prompt source, split, one hash per prompt and
 the overlap found; the training preflight checks the same hashes.
 
 Rerunning the same command resumes: finished shards are verified (sha256 in manifest.json) and

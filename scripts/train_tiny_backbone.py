@@ -1,5 +1,5 @@
 """Train the embedded default backbone: a tiny LLaDA-architecture masked-diffusion model on the
-arithmetic-chain task of ``tdlm.toydata`` (CPU, minutes to an hour; seed fixed).
+arithmetic-chain task of ``tdlm.tasks.toydata`` (CPU, minutes to an hour; seed fixed).
 
     python scripts/train_tiny_backbone.py                       # writes tdlm/assets/tiny-arith/
     python scripts/train_tiny_backbone.py --steps 200 --out /tmp/x   # a quick smoke run
@@ -36,11 +36,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tdlm.data.tokenizer import build_toy_tokenizer, encode_prompts  # noqa: E402
 from tdlm.decoding import decode  # noqa: E402
 from tdlm.models.llada import LLaDA, LLaDAConfig  # noqa: E402
 from tdlm.models.loading import _init_weights, save_pretrained  # noqa: E402
-from tdlm.tokenizer import build_toy_tokenizer, encode_prompts  # noqa: E402
-from tdlm.toydata import (  # noqa: E402
+from tdlm.tasks.toydata import (  # noqa: E402
     ARITH_TRAIN_DRAWS,
     MULTI_GEN_LENGTH,
     MULTI_TASK_VERSION,
@@ -208,7 +208,7 @@ SwiGLU 384, character vocabulary of 128) trained from scratch on CPU by
 `python scripts/train_tiny_backbone.py` (seed {args.seed}, {args.steps} steps of {args.batch_size}
 problems, AdamW lr {args.lr}, bf16 autocast, {minutes:.0f} minutes on 2 cores). Weights are stored in bf16.
 
-Task `{TASK_VERSION}` (`tdlm/toydata.py`): `3+5-2+9=?` -> `3+5=8 8-2=6 6+9=15 \\boxed{{15}}`,
+Task `{TASK_VERSION}` (`tdlm/tasks/toydata.py`): `3+5-2+9=?` -> `3+5=8 8-2=6 6+9=15 \\boxed{{15}}`,
 response length {GEN_LENGTH} (solution, `<|eot|>`, EOS padding). Held-out test split: {len(test)} problems
 never seen in training.
 
@@ -250,7 +250,7 @@ A LLaDA-architecture masked-diffusion model ({meta['parameters']:,} parameters: 
 fp32, {meta['threads']} torch thread(s), {meta['minutes']} minutes of training). Weights are stored in bf16
 ({meta['weights_bytes']:,} bytes).
 
-Task `{meta['task']}` (`tdlm/toydata.py`): the question `3+5-2+9 = ?`; every training example is written in a
+Task `{meta['task']}` (`tdlm/tasks/toydata.py`): the question `3+5-2+9 = ?`; every training example is written in a
 freshly drawn surface form (compact or spaced steps, operands of a `+` in either order, result first or last,
 three separators, three lead-ins to the box), e.g. `3+5=8 8-2=6 6+9=15 \\boxed{{15}}` or
 `8 = 5 + 3; 6 = 8 - 2; 15 = 9 + 6, so \\boxed{{15}}`; scored by the boxed result. Response length {gen}

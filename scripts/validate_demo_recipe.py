@@ -2,7 +2,7 @@
 
 The tiny-arith recipe choices (teacher policy, block size) were made here, so the test split that the
 arith demo reported stayed untouched. Validation problems are the ``prompts`` stream of
-``tdlm.toydata`` after the first ``--skip`` (the teacher prompts), minus any question that also
+``tdlm.tasks.toydata`` after the first ``--skip`` (the teacher prompts), minus any question that also
 appears among the teacher prompts; the test split is disjoint from that stream by construction.
 
 Usage (adapters from ``deepspeed launcher/train.py ... --output-dir DIR``; LABEL=DIR/adapter)::
@@ -40,13 +40,13 @@ def main() -> int:
     import torch
     from tqdm import tqdm
 
+    from tdlm.data.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
     from tdlm.decoding import decode
     from tdlm.demo import BACKBONE, DTYPE, GEN_LENGTH
-    from tdlm.model import TDLM
+    from tdlm.evaluation.scoring import score_math
     from tdlm.models.loading import load_backbone
-    from tdlm.scoring import score_math
-    from tdlm.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
-    from tdlm.toydata import split
+    from tdlm.tasks.toydata import split
+    from tdlm.temporal.model import TDLM
 
     torch.set_num_threads(1)
     block = args.block_size or GEN_LENGTH

@@ -9,7 +9,7 @@ is never read here) with ``original`` and with ``threshold`` over a tau sweep, a
    that are a correct worked solution (three true steps in order and the right box, styles may mix:
    ``MultiProblem.is_worked_solution``) and that are exactly one of the problem's valid surface forms, mean /
    median / 90th-percentile NFE and tokens committed per evaluation;
-2. how predictions move across evaluations (:mod:`tdlm.prediction_history`): for the positions that stay masked
+2. how predictions move across evaluations (:mod:`tdlm.decoding.prediction_history`): for the positions that stay masked
    ``--min-masked`` or more evaluations, the fraction whose argmax changed, the switches per position, and how
    often the token finally committed equals the argmax of earlier evaluations (all earlier ones, the first one, and
    by lag), over all such positions and over content positions only (final token not end-of-text / EOS).
@@ -58,13 +58,13 @@ def main() -> int:
 
     import torch
 
+    from tdlm.data.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
     from tdlm.decoding import decode
+    from tdlm.decoding.prediction_history import RequestHistory, change_statistics, replay_argmax
+    from tdlm.evaluation.scoring import score_math
     from tdlm.models.loading import load_backbone
-    from tdlm.prediction_history import RequestHistory, change_statistics, replay_argmax
-    from tdlm.scoring import score_math
     from tdlm.tasks.multi import load_split
-    from tdlm.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
-    from tdlm.toydata import MULTI_GEN_LENGTH, MultiProblem
+    from tdlm.tasks.toydata import MULTI_GEN_LENGTH, MultiProblem
 
     torch.set_num_threads(args.threads)
     t_start = time.time()
@@ -79,7 +79,7 @@ def main() -> int:
     probs = [MultiProblem(p.id, p.prompt, tuple(p.raw["nums"]), tuple(p.raw["ops"]), int(p.answer), "") for p in task]
     forms = [set(p.surface_forms()) for p in probs]
 
-    from tdlm.model import TDLM
+    from tdlm.temporal.model import TDLM
 
     settings: list[tuple[str, str, float | None, object]] = []
     if not args.no_original:

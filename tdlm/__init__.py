@@ -1,12 +1,12 @@
 """tdlm: temporal self-conditioning (TDLM) on frozen masked-diffusion language models."""
 
-from tdlm import tokenizer, trajectories
-from tdlm.adapter import TemporalAttention, resolve_layers, temporal_parameter_count
+from tdlm.data import tokenizer, trajectories
 from tdlm.decoding import DecodeConfig, DecodeResult, decode
 from tdlm.errors import TDLMError
-from tdlm.history import HistoryPolicy, TemporalCache
-from tdlm.model import TDLM, TemporalConfig
 from tdlm.models import PRESETS, Backbone, load_backbone, save_pretrained
+from tdlm.temporal.attention import TemporalAttention, resolve_layers, temporal_parameter_count
+from tdlm.temporal.history import HistoryPolicy, TemporalCache
+from tdlm.temporal.model import TDLM, TemporalConfig
 
 __all__ = [
     "TDLM",

@@ -149,3 +149,15 @@ def load_config(cls: type[T], path: str | Path | None, overrides: list[str] | No
 
 def save_yaml(cfg: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def diff_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable ``key: old -> new`` lines for every differing (nested) setting."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(diff_settings(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out

@@ -1,6 +1,6 @@
 """The whole pipeline end to end on a CPU: ``make demo`` (``python -m tdlm.demo``).
 
-The demo runs on the ``multi-v1`` task (:mod:`tdlm.toydata`: arithmetic chains whose responses have hundreds of
+The demo runs on the ``multi-v1`` task (:mod:`tdlm.tasks.toydata`: arithmetic chains whose responses have hundreds of
 equally valid surface forms) with the shipped ``tiny-multi`` backbone, where parallel decoding has something to
 win: ``threshold`` needs tens of evaluations per request at tau 0.9 and loses accuracy as tau falls. Stages, each
 through the real entry point a cluster user runs:
@@ -13,7 +13,7 @@ through the real entry point a cluster user runs:
 4. evaluation: ``eval/run.py`` on the held-out *test* split for ``original``, ``threshold`` and ``tdlm``, each
    policy over a tau sweep (greedy; batched, which leaves tokens and per-request NFE as at batch 1);
 5. diagnostic: for positions that stay masked three or more evaluations, how often the finally committed token
-   equals each earlier evaluation's argmax (:mod:`tdlm.prediction_history`), backbone and TDLM at tau 0.9;
+   equals each earlier evaluation's argmax (:mod:`tdlm.decoding.prediction_history`), backbone and TDLM at tau 0.9;
 6. report: ``runs/demo/report.md`` with both frontiers (accuracy +- standard error vs mean NFE), the Pareto
    plot, the diagnostic, and the target's outcome (TDLM within 1 point of the threshold baseline's accuracy at
    <= 0.8x its NFE at some tau).
@@ -22,8 +22,8 @@ The recipe (teacher policy, K, updates, lr, layers, history, tau grid) was chose
 (``scripts/validate_multi_backbone.py``); the test split is read only here. ``DEMO_FAST=1`` runs the same
 stages with fewer prompts, steps and test problems (the test suite).
 
-``BACKBONE`` / ``GEN_LENGTH`` / :func:`ensure_toy_trajectories` are the *embedded default* of a training launch
-without flags (``configs/tiny.yaml``: tiny-arith), which sweeps and benchmarks build on.
+The *embedded default* of a training launch without flags (tiny-arith, generated trajectories) lives in
+:mod:`tdlm.data.toy_trajectories`; sweeps and benchmarks build on it.
 """
 
 from __future__ import annotations
@@ -38,21 +38,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tdlm.data.toy_trajectories import BACKBONE, DTYPE, GEN_LENGTH, ensure_toy_trajectories  # noqa: F401
 from tdlm.errors import TDLMError
-from tdlm.toydata import MULTI_GEN_LENGTH, MULTI_TEST_SIZE
+from tdlm.tasks.toydata import MULTI_GEN_LENGTH, MULTI_TEST_SIZE
 
 REPO = Path(__file__).resolve().parents[1]
-BACKBONE = "tiny-arith"  # the embedded default of a training launch without flags (configs/tiny.yaml)
-GEN_LENGTH = 40  # tiny-arith's response length (solution + <|eot|> + EOS padding)
 DEMO_BACKBONE = "tiny-multi"
 DEMO_TASK = "multi"
 DEMO_GEN_CONFIG = "configs/gen_tiny_multi.yaml"
 DEMO_TRAIN_CONFIG = "configs/tiny_multi.yaml"
 BASELINE_TAU = 0.9  # the issue's reference point: threshold at tau 0.9
-# The shipped weights are stored in bf16 (half the bytes) but compute in fp32 everywhere, as training
-# does on CPU and as the model card's accuracy was measured: bf16 matmuls on a CPU without bf16 units are
-# several times slower, and teacher, student and evaluation then see the same numerics.
-DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -97,58 +92,13 @@ def _run(cmd: list[str], log: Path, env: dict | None = None) -> None:
 
 def write_prompts(path: Path, n: int, task: str = "arith") -> None:
     """The first ``n`` problems of ``task``'s teacher-prompt split ('arith' or 'multi'), one JSON line each."""
-    from tdlm.toydata import multi_split, split
+    from tdlm.tasks.toydata import multi_split, split
 
     problems = multi_split("prompts", n) if task == "multi" else split("prompts", n)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
         for p in problems:
             fh.write(json.dumps({"id": p.id, "question": p.question}) + "\n")
-
-
-def ensure_toy_trajectories(trajectories: str | Path, backbone: str, n: int = 512) -> None:
-    """Teacher trajectories for the embedded default, generated once if the folder does not exist.
-
-    Lets ``deepspeed launcher/train.py --ds ds_configs/zero3.json`` (no other flags) train out of the box.
-    Rank 0 decodes in-process (no Ray: this runs inside a DeepSpeed launch) and publishes the folder with
-    one atomic rename; the other ranks wait for it.
-    """
-    folder = Path(trajectories)
-    if folder.exists() or backbone != BACKBONE:
-        return
-    if int(os.environ.get("RANK", "0")) != 0:
-        deadline = time.time() + 1800
-        while not folder.exists():
-            if time.time() > deadline:
-                raise TDLMError(f"data.trajectories: rank 0 did not produce {folder} within 30 minutes")
-            time.sleep(1.0)
-        return
-    from tdlm.decoding import decode
-    from tdlm.generation.store import write_manifest
-    from tdlm.models.loading import load_backbone
-    from tdlm.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
-    from tdlm.toydata import split
-    from tdlm.trajectories import TrajectoryRecord, write_parquet
-
-    print(f"{folder} does not exist: generating {n} teacher trajectories with {backbone} (original decoding)",
-          flush=True)
-    bb = load_backbone(backbone, dtype=DTYPE)
-    tok = load_tokenizer(backbone)
-    problems = split("prompts", n)
-    ids = encode_prompts(tok, [p.question for p in problems])
-    settings = {"policy": "original", "gen_length": GEN_LENGTH, "block_size": GEN_LENGTH}
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    per = 128
-    for s in range(0, n, per):
-        res = decode(bb, ids[s : s + per], policy="original", gen_length=GEN_LENGTH, block_size=GEN_LENGTH,
-                     tokenizer=tok, stop_ids=stop_token_ids(tok, bb.eos_token_id), progress=True)
-        recs = [TrajectoryRecord.from_decode(r, p.id, p.question, bb.backbone_id, settings)
-                for r, p in zip(res, problems[s : s + per], strict=True)]
-        write_parquet(recs, tmp / f"shard-{s // per:05d}.parquet")
-    write_manifest(tmp, bb.backbone_id, {"decode": settings, "prompts": f"toydata:prompts[:{n}]",
-                                         "dtype": "float32", "backbone": backbone})
-    os.replace(tmp, folder)
 
 
 def judge(runs: list[dict]) -> tuple[str, dict]:
@@ -219,18 +169,18 @@ def frontier_table(runs: list[dict]) -> str:
 
 
 def run_diagnostic(adapter: Path, plan: DemoPlan, min_masked: int = 3) -> list[dict]:
-    """Prediction-change statistics (tdlm.prediction_history) on the first test problems, backbone and TDLM.
+    """Prediction-change statistics (tdlm.decoding.prediction_history) on the first test problems, backbone and TDLM.
 
     Both decode with the threshold rule at tau 0.9 (threshold with the plain backbone, tdlm with the adapter), so
     the only difference is the temporal path; content positions only (the final token is not end-of-text / EOS).
     """
     import torch
 
-    from tdlm.model import TDLM
+    from tdlm.data.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
+    from tdlm.decoding.prediction_history import change_statistics, decode_histories
     from tdlm.models.loading import load_backbone
-    from tdlm.prediction_history import change_statistics, decode_histories
     from tdlm.tasks.multi import load_split
-    from tdlm.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
+    from tdlm.temporal.model import TDLM
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     task = load_split("test", plan.diagnostic_problems)

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from tdlm.model import TDLM, TemporalConfig
 from tdlm.models.loading import load_backbone
+from tdlm.temporal.model import TDLM, TemporalConfig
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")

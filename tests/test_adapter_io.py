@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tdlm
-from tdlm.model import ADAPTER_CONFIG
+from tdlm.temporal.adapter_files import ADAPTER_CONFIG
 
 
 def test_adapter_round_trip(tmp_path):

@@ -1,9 +1,9 @@
 """No contamination: teacher prompts default to train splits, evaluation splits are refused without the
 flag, the manifest records source / split / per-prompt hashes, and the training preflight
-(:func:`tdlm.contamination.check_trajectory_prompts`) finds evaluation problems among teacher prompts.
+(:func:`tdlm.data.contamination.check_trajectory_prompts`) finds evaluation problems among teacher prompts.
 
 All without Ray: folders are built with the driver's own first step (``prepare``) and a replica run in
-process, or written directly with :func:`tdlm.trajectories.write_parquet`.
+process, or written directly with :func:`tdlm.data.trajectories.write_parquet`.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from tdlm.contamination import (
+from tdlm.data.contamination import (
     HASH_VERSION,
     check_trajectory_prompts,
     eval_hashes,
     prompt_hash,
 )
+from tdlm.data.prompts import PromptSource
+from tdlm.data.trajectories import TrajectoryRecord, write_parquet
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardTask, ShardWorker, WorkerSpec
 from tdlm.generation.driver import prepare
-from tdlm.prompts import PromptSource
-from tdlm.toydata import TEST_SIZE, split
-from tdlm.trajectories import TrajectoryRecord, write_parquet
+from tdlm.tasks.toydata import TEST_SIZE, split
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "ray_jobs" / "generate_trajectories.py"
@@ -269,7 +269,7 @@ def test_preflight_uses_old_manifest_source_name(tmp_path):
 
 def test_preflight_passes_on_the_embedded_default(tmp_path):
     """The folder training generates on first use (no manifest; arith 'prompts' split) is clean."""
-    from tdlm.demo import ensure_toy_trajectories
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
 
     ensure_toy_trajectories(tmp_path / "traj", "tiny-arith", n=8)
     report = check_trajectory_prompts(tmp_path / "traj", tasks=["arith"])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tdlm
+from tdlm.data.trajectories import TrajectoryRecord, state_at, validate_record
 from tdlm.decoding import DecodeConfig, decode
-from tdlm.trajectories import TrajectoryRecord, state_at, validate_record
 from tests.conftest import live_tdlm, sharp_backbone
 
 PROMPTS = [[3, 4, 40, 41, 42, 43, 44, 45, 46], [3, 4, 60, 61], [3, 4, 70, 71, 72, 73, 74]]
@@ -76,7 +76,7 @@ def test_blocks_are_decoded_left_to_right():
 
 def test_stop_at_eos_cuts_text_and_saves_evaluations():
     bb = sharp_backbone()
-    tok = tdlm.tokenizer.build_toy_tokenizer()
+    tok = tdlm.data.tokenizer.build_toy_tokenizer()
     full = decode(bb, PROMPTS, policy="threshold", threshold=0.6, tokenizer=tok, **KW)
     # Treat a token the model emits inside its first block as the stop token.
     stop = full[0].tokens[3]
@@ -110,8 +110,8 @@ def test_bad_decode_arguments():
 
 
 def test_chat_template_for_toy_tokenizer():
-    tok = tdlm.tokenizer.build_toy_tokenizer()
-    ids = tdlm.tokenizer.encode_prompts(tok, ["2+3=?"])[0]
+    tok = tdlm.data.tokenizer.build_toy_tokenizer()
+    ids = tdlm.data.tokenizer.encode_prompts(tok, ["2+3=?"])[0]
     assert tok.convert_ids_to_tokens(ids[:2]) == ["<|bos|>", "<|user|>"]
     assert tok.convert_ids_to_tokens(ids[-2:]) == ["<|eot|>", "<|assistant|>"]
     assert tok.decode(ids, skip_special_tokens=True) == "2+3=?"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import tdlm
+from tdlm.data.trajectories import read_parquet
 from tdlm.demo import (
     DemoPlan,
     _card_accuracy,
@@ -21,14 +22,13 @@ from tdlm.demo import (
     judge,
     standard_error,
 )
-from tdlm.trajectories import read_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_backbone_loads_with_its_tokenizer():
     bb = tdlm.load_backbone("tiny-arith")
-    tok = tdlm.tokenizer.load_tokenizer("tiny-arith")
+    tok = tdlm.data.tokenizer.load_tokenizer("tiny-arith")
     assert bb.backbone_id == "tiny-arith" and bb.mask_token_id == tok.mask_token_id == 2
     assert not any(p.requires_grad for p in bb.parameters())
     card = json.loads((REPO / "tdlm" / "assets" / "tiny-arith" / "training.json").read_text())
@@ -41,11 +41,11 @@ def test_shipped_backbone_solves_some_held_out_problems():
     from tdlm.tasks import load_task
 
     bb = tdlm.load_backbone("tiny-arith", dtype="float32")
-    tok = tdlm.tokenizer.load_tokenizer("tiny-arith")
+    tok = tdlm.data.tokenizer.load_tokenizer("tiny-arith")
     task = load_task("arith", limit=20)
-    ids = tdlm.tokenizer.encode_prompts(tok, [p.prompt for p in task])
+    ids = tdlm.data.tokenizer.encode_prompts(tok, [p.prompt for p in task])
     res = tdlm.decode(bb, ids, policy="original", gen_length=40, block_size=40, tokenizer=tok,
-                      stop_ids=tdlm.tokenizer.stop_token_ids(tok, bb.eos_token_id))
+                      stop_ids=tdlm.data.tokenizer.stop_token_ids(tok, bb.eos_token_id))
     card = json.loads((REPO / "tdlm" / "assets" / "tiny-arith" / "training.json").read_text())
     correct = sum(r.text.strip().endswith(f"\\boxed{{{p.answer}}}") for r, p in zip(res, task, strict=True))
     # the card's accuracy is over 500 problems; 20 of them must not be wildly off it
@@ -104,7 +104,7 @@ def test_frontier_table_gives_standard_errors_and_nfe_ratios():
 
 
 def test_diagnostic_table_reads_change_statistics():
-    from tdlm.prediction_history import RequestHistory, change_statistics
+    from tdlm.decoding.prediction_history import RequestHistory, change_statistics
 
     h = RequestHistory(argmax=[[5, 7], [6, 7], [6, 7]], reveal_step=[3, 3], tokens=[6, 7])
     row = {"method": "TDLM", **change_statistics([h], min_masked=3)}
@@ -174,7 +174,7 @@ def test_demo_recipe_configs_agree_with_each_other():
     from tdlm.config import load_config
     from tdlm.demo import DEMO_BACKBONE, DEMO_GEN_CONFIG, DEMO_TRAIN_CONFIG
     from tdlm.generation import GenerationConfig
-    from tdlm.toydata import MULTI_GEN_LENGTH
+    from tdlm.tasks.toydata import MULTI_GEN_LENGTH
     from tdlm.training.launch import parse_launch
 
     gen = load_config(GenerationConfig, REPO / DEMO_GEN_CONFIG)

@@ -26,20 +26,20 @@ import pytest
 import torch
 
 import tdlm
+from tdlm.data.prompts import PromptSource, load_prompts
+from tdlm.data.store import sha256_of, shard_name
+from tdlm.data.tokenizer import encode_prompts, load_tokenizer
+from tdlm.data.trajectories import read_parquet
 from tdlm.decoding import decode
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardStore, ShardTask, ShardWorker, WorkerSpec, generate
 from tdlm.generation.driver import prepare
-from tdlm.generation.store import sha256_of, shard_name
 from tdlm.generation.worker import (
     BARRIER_ENV,
     CRASH_ENV,
     KILL_ENV,
     FaultInjection,
 )
-from tdlm.prompts import PromptSource, load_prompts
-from tdlm.tokenizer import encode_prompts, load_tokenizer
-from tdlm.trajectories import read_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "ray_jobs" / "generate_trajectories.py"

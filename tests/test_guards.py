@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tdlm.decoding import DecodeConfig, _select
+from tdlm.data.prompts import Prompt
+from tdlm.data.store import MANIFEST, ShardStore, sha256_of, shard_name
+from tdlm.data.trajectories import TrajectoryRecord, write_parquet
+from tdlm.decoding.loop import DecodeConfig, _select
 from tdlm.errors import TDLMError
-from tdlm.generation.store import MANIFEST, ShardStore, sha256_of, shard_name
-from tdlm.prompts import Prompt
-from tdlm.sandbox import SandboxLimits, run_python
-from tdlm.scoring import score
+from tdlm.evaluation.sandbox import SandboxLimits, run_python
+from tdlm.evaluation.scoring import score
 from tdlm.tasks.base import Problem
-from tdlm.trajectories import TrajectoryRecord, write_parquet
 
 
 # ------------------------------------------------------------------------------------------ commit rule

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import tdlm
-from tdlm.scoring import score
+import tdlm.hub
+from tdlm.evaluation.scoring import score
 from tdlm.tasks import load_task
 from tests.conftest import randomize_temporal
 
@@ -25,18 +26,18 @@ def adapter(tmp_path_factory) -> Path:
     bb = tdlm.load_backbone("tiny-arith", dtype="float32")
     model = tdlm.TDLM(bb, tdlm.TemporalConfig(layers="dispersed:3", heads=2, head_dim=32))
     randomize_temporal(model, seed=5)  # a nonzero adapter: tdlm decoding differs from threshold
-    return model.save_pretrained(tmp_path_factory.mktemp("adapter") / "ad")
+    return tdlm.hub.save_pretrained(model, tmp_path_factory.mktemp("adapter") / "ad")
 
 
 def _reference(adapter: Path, n: int) -> tuple[list, list]:
     """tdlm's own decoding of the first n held-out problems, through the chat template, one request at a time."""
     bb = tdlm.load_backbone("tiny-arith", dtype="float32")
     model = tdlm.TDLM.from_pretrained(bb, adapter)
-    tok = tdlm.tokenizer.load_tokenizer("tiny-arith")
+    tok = tdlm.data.tokenizer.load_tokenizer("tiny-arith")
     problems = list(load_task("arith", limit=n))
-    ids = tdlm.tokenizer.encode_prompts(tok, [p.prompt for p in problems])
+    ids = tdlm.data.tokenizer.encode_prompts(tok, [p.prompt for p in problems])
     res = [tdlm.decode(model, [i], policy="tdlm", threshold=0.9, gen_length=40, block_size=40, tokenizer=tok,
-                       stop_ids=tdlm.tokenizer.stop_token_ids(tok, bb.eos_token_id))[0] for i in ids]
+                       stop_ids=tdlm.data.tokenizer.stop_token_ids(tok, bb.eos_token_id))[0] for i in ids]
     return problems, res
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import tdlm
-from tdlm.model import ADAPTER_CONFIG, ADAPTER_CONFIG_LEGACY, ADAPTER_WEIGHTS
+import tdlm.hub
+from tdlm.temporal.adapter_files import ADAPTER_CONFIG, ADAPTER_CONFIG_LEGACY, ADAPTER_WEIGHTS
 from tests.conftest import randomize_temporal
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def _hf_cache(cache: Path, repo_id: str, files: Path, commit: str = "0" * 40) ->
 
 
 def test_save_pretrained_writes_tdlm_files_and_a_card(tmp_path, model):
-    out = model.save_pretrained(tmp_path / "ad")
+    out = tdlm.hub.save_pretrained(model, tmp_path / "ad")
     assert sorted(p.name for p in out.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
     assert ADAPTER_CONFIG != "adapter_config.json"  # PEFT's name: Hub tooling would take it for a PEFT adapter
     card = (out / "README.md").read_text()
@@ -62,7 +63,7 @@ def test_save_pretrained_writes_tdlm_files_and_a_card(tmp_path, model):
 
 def test_from_pretrained_reads_a_hub_repo_from_the_cache_offline(tmp_path, model, backbone, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    files = model.save_pretrained(tmp_path / "files")
+    files = tdlm.hub.save_pretrained(model, tmp_path / "files")
     _hf_cache(tmp_path / "cache", "someone/tdlm-tiny-arith", files)
     loaded = tdlm.TDLM.from_pretrained(backbone, "someone/tdlm-tiny-arith", cache_dir=tmp_path / "cache")
     _same_weights(model, loaded)
@@ -102,13 +103,13 @@ def test_push_to_hub_uploads_the_adapter_and_card_through_hfapi(tmp_path, model,
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    info = model.push_to_hub("someone/tdlm-tiny", private=True, commit_message="first adapter")
+    info = tdlm.hub.push_to_hub(model, "someone/tdlm-tiny", private=True, commit_message="first adapter")
     assert info == "commit-info"
     assert calls["create_repo"] == ("someone/tdlm-tiny", {"private": True, "exist_ok": True, "repo_type": "model"})
     up = calls["upload"]
     assert up["repo_id"] == "someone/tdlm-tiny" and up["kw"]["commit_message"] == "first adapter"
     assert sorted(up["files"]) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS, "README.md"])
-    ref = model.save_pretrained(tmp_path / "ref")
+    ref = tdlm.hub.save_pretrained(model, tmp_path / "ref")
     assert up["files"][ADAPTER_WEIGHTS] == (ref / ADAPTER_WEIGHTS).read_bytes()
     assert json.loads(up["files"][ADAPTER_CONFIG]) == json.loads((ref / ADAPTER_CONFIG).read_text())
     assert b'TDLM.from_pretrained("tiny-arith", "someone/tdlm-tiny")' in up["files"]["README.md"]
@@ -128,7 +129,7 @@ def test_old_folders_with_peft_file_name_still_load_and_peft_adapters_are_refuse
     _same_weights(model, tdlm.TDLM.from_adapter(backbone, out))
     _same_weights(model, tdlm.TDLM.from_pretrained(backbone, out))
     from tdlm.evaluation.config import read_adapter_config
-    from tdlm.fingerprints import adapter_fingerprint
+    from tdlm.temporal.adapter_files import adapter_fingerprint
 
     assert read_adapter_config(str(out))["layers"] == [1, 4]
     new = model.save_adapter(tmp_path / "new")
@@ -144,7 +145,7 @@ def test_old_folders_with_peft_file_name_still_load_and_peft_adapters_are_refuse
 def test_card_holds_the_evaluation_table_and_the_cli_writes_it(tmp_path, model):
     from tdlm.evaluation import EvalConfig, evaluate
 
-    ad = model.save_pretrained(tmp_path / "ad")
+    ad = tdlm.hub.save_pretrained(model, tmp_path / "ad")
     ev = tmp_path / "eval"
     evaluate(EvalConfig(backbone="tiny-arith", output_dir=str(ev), tasks=["arith"], limit=3, adapters=[f"mine={ad}"],
                         policies=["original", "tdlm"], thresholds=[0.9], gen_length=40, block_size=40,
@@ -159,7 +160,8 @@ def test_card_holds_the_evaluation_table_and_the_cli_writes_it(tmp_path, model):
     acc, nfe = 100 * tdlm_run["accuracy"], tdlm_run["nfe_mean"]
     assert f"| **TDLM τ=0.9** (history last:3) | 3 | {acc:.2f} | {nfe:.2f} |" in card
     # a copy of the weights elsewhere (save_pretrained of the loaded model) still finds its evaluation
-    copy = tdlm.TDLM.from_pretrained("tiny-arith", ad, dtype="float32").save_pretrained(tmp_path / "copy", [ev])
+    loaded = tdlm.TDLM.from_pretrained("tiny-arith", ad, dtype="float32")
+    copy = tdlm.hub.save_pretrained(loaded, tmp_path / "copy", [ev])
     assert hashlib.sha256((copy / ADAPTER_WEIGHTS).read_bytes()).digest() == hashlib.sha256(
         (ad / ADAPTER_WEIGHTS).read_bytes()).digest()
     assert "**TDLM τ=0.9**" in (copy / "README.md").read_text()

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import tdlm
-from tdlm.trajectories import IGNORE_INDEX, TrajectoryRecord, write_parquet
+from tdlm.data.trajectories import IGNORE_INDEX, TrajectoryRecord, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 N = 16  # response tokens
@@ -46,7 +46,7 @@ def uneven_trajectories(folder: Path, n: int = 32, seed: int = 0) -> Path:
                                      backbone_id="tiny-llada"))
     write_parquet(recs, folder / "shard-00000.parquet")
     try:  # training reads only folders a finished generation described (manifest with checksums)
-        from tdlm.generation.store import write_manifest
+        from tdlm.data.store import write_manifest
     except ImportError:  # a tdlm without the manifest requirement
         return folder
     write_manifest(folder, "tiny-llada", {"decode": {"policy": "synthetic"}})

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tdlm.errors import TDLMError
-from tdlm.model import TDLM, TemporalConfig
 from tdlm.models.dream import Dream, DreamConfig
 from tdlm.models.llada import LLaDA, LLaDAConfig
+from tdlm.temporal.model import TDLM, TemporalConfig
 from tdlm.training.planner import (
     COMPONENTS,
     DSKnobs,

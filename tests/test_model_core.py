@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tdlm
-from tdlm.adapter import sink_softmax, temporal_rope
-from tdlm.model import ADAPTER_CONFIG
+from tdlm.temporal.adapter_files import ADAPTER_CONFIG
+from tdlm.temporal.attention import sink_softmax, temporal_rope
 from tests.conftest import randomize_temporal, sampled_states, stepwise
 
 P, N = 7, 24  # prompt length, response length

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tdlm
-from tdlm.history import LatentCache
-from tdlm.model import ADAPTER_CONFIG
-from tdlm.perceiver import (
+from tdlm.temporal.adapter_files import ADAPTER_CONFIG
+from tdlm.temporal.history import LatentCache
+from tdlm.temporal.perceiver import (
     ClampedRMSNorm,
     LatentMemory,
     PerceiverAttention,

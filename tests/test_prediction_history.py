@@ -1,4 +1,4 @@
-"""tdlm.prediction_history: replaying the argmax of every evaluation, and the change statistics (issue 15)."""
+"""tdlm.decoding.prediction_history: replaying the argmax of every evaluation, and the change statistics (issue 15)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 import tdlm
 from tdlm.decoding import decode
+from tdlm.decoding.prediction_history import RequestHistory, change_statistics, decode_histories, replay_argmax
 from tdlm.errors import TDLMError
-from tdlm.prediction_history import RequestHistory, change_statistics, decode_histories, replay_argmax
 
 PROMPTS = [[3, 4, 40, 41, 42, 43, 44, 45, 46], [3, 4, 60, 61, 62, 63, 64, 65, 66]]  # equal lengths: no padding
 

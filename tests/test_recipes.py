@@ -15,8 +15,8 @@ from tdlm.config import load_config
 from tdlm.errors import TDLMError
 from tdlm.evaluation.config import EvalConfig
 from tdlm.generation import GenerationConfig
-from tdlm.model import TDLM
 from tdlm.models.loading import build_backbone
+from tdlm.temporal.model import TDLM
 from tdlm.training import preflight, temporal_config
 from tdlm.training.launch import parse_launch
 from tdlm.training.planner.model import resolve_backbone

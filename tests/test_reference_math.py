@@ -21,7 +21,8 @@ point through the backbone's public ``insert`` hook (after spatial attention, be
 then run in both modes (``forward_states`` and ``forward_step`` with a cache) in fp32 and must match to
 1e-5 of the logit scale.
 
-The latent history (``latent:M``) reference is the documented design (tdlm/model.py, tdlm/perceiver.py):
+The latent history (``latent:M``) reference is the documented design (tdlm/temporal/model.py,
+tdlm/temporal/perceiver.py):
 the query R(r_i) W_Q h attends to k = R(r_last) W_K u, v = W_V u of the position's M latents u plus the
 zero-value sink (r_last = r of the input that last updated u, 0 for the learned initial latents), and then
 u <- u + Perceiver(u, [h]) at masked positions, with the Perceiver block of the LDLM seed (001_*: clamped

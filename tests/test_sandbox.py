@@ -1,4 +1,5 @@
-"""The code sandbox (tdlm.sandbox): exit statuses, timeouts that kill the whole group, rlimits, network, caps."""
+"""The code sandbox (tdlm.evaluation.sandbox): exit statuses, timeouts that kill the whole group, rlimits,
+network, caps."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from dataclasses import replace
 
 import pytest
 
-from tdlm import sandbox
 from tdlm.errors import TDLMError
-from tdlm.sandbox import SandboxLimits, isolation_support, run_python
+from tdlm.evaluation import sandbox
+from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python
 
 FAST = SandboxLimits(timeout_s=3.0)
 

@@ -1,8 +1,9 @@
-"""Filesystem, IPC and /proc isolation of the sandbox (tdlm.sandbox), and the evaluation's up-front notice.
+"""Filesystem, IPC and /proc isolation of the sandbox (tdlm.evaluation.sandbox), and the evaluation's up-front notice.
 
 Each sample gets a fresh tmpfs on /tmp, /var/tmp and /dev/shm, every other mount read-only, its own System V IPC
 and (with the PID namespace) its own /proc. Where the kernel grants that, a missing protection is a *failure*
-here: a probe independent of tdlm.sandbox (``_kernel``) decides what the machine allows. Where it does not, the
+here: a probe independent of tdlm.evaluation.sandbox (``_kernel``) decides what the machine allows. Where it does
+not, the
 sandbox must say so (``filesystem_isolated`` etc. False) and the test is an expected failure with the reason.
 Configurations as in test_sandbox_hostile.py: ``default`` (what the Scorer uses) and ``nobody`` (root only).
 """
@@ -25,13 +26,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from tdlm import sandbox
-from tdlm.sandbox import PRIVATE_DIRS, SandboxLimits, isolation_support, run_python
+from tdlm.evaluation import sandbox
+from tdlm.evaluation.sandbox import PRIVATE_DIRS, SandboxLimits, isolation_support, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = SandboxLimits(timeout_s=5.0)
 
-# What this machine allows, probed without tdlm.sandbox: a mount namespace with a tmpfs on /tmp and a recursive
+# What this machine allows, probed without tdlm.evaluation.sandbox: a mount namespace with a tmpfs on /tmp and a
+# recursive
 # read-only remount (mount_setattr, Linux >= 5.12), and an IPC namespace; as root directly, else in a user ns.
 _PROBE = r"""
 import ctypes, json, os

@@ -1,7 +1,7 @@
-"""The MBPP sandbox (tdlm.sandbox) against real and hostile programs.
+"""The MBPP sandbox (tdlm.evaluation.sandbox) against real and hostile programs.
 
 * every canonical MBPP sanitized solution (test_imports + code + test_list) passes, and solutions mutated to
-  ``return None`` fail, through :func:`tdlm.scoring.score_code` as the evaluator calls it;
+  ``return None`` fail, through :func:`tdlm.evaluation.scoring.score_code` as the evaluator calls it;
 * hostile programs are contained, reported as a failure within their time limit, and leave the host as it was:
   infinite loops, a fork bomb, a memory bomb, writing / deleting outside the sandbox's temp dir, sockets to a
   port of this test process, killing the parent, printing gigabytes;
@@ -10,7 +10,8 @@
   guessed tokens, scanning the process for the completion token); correct solutions that rebind builtins still
   pass. (Filesystem / IPC / /proc isolation: test_sandbox_filesystem.py.)
 
-Two configurations: ``default`` is ``SandboxLimits()`` with this interpreter, what :class:`tdlm.scoring.Scorer`
+Two configurations: ``default`` is ``SandboxLimits()`` with this interpreter, what
+:class:`tdlm.evaluation.scoring.Scorer`
 uses; ``nobody`` (root only) is an interpreter the sandbox can run as uid 65534 (a venv under a 0700 ``/root``
 cannot be; the system python can), where the uid drop protects the filesystem and makes ``RLIMIT_NPROC``
 binding. A protection the sandbox reports as unavailable (``network_isolated`` / ``pid_isolated`` /
@@ -35,9 +36,9 @@ from pathlib import Path
 
 import pytest
 
-from tdlm import sandbox
-from tdlm.sandbox import SandboxLimits, isolation_support, run_python
-from tdlm.scoring import score_code
+from tdlm.evaluation import sandbox
+from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python
+from tdlm.evaluation.scoring import score_code
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "benchmarks"
@@ -233,7 +234,8 @@ raise SystemExit(1 if errors else 0)
         assert r.status == "failed" and "PermissionError" in r.stdout
     elif not untouched:
         pytest.xfail(f"sandbox code runs as uid {os.geteuid()} without a uid drop ({limits.python} cannot run as "
-                     "nobody): tdlm.sandbox protects the filesystem only by the uid drop, so it deleted / wrote "
+                     "nobody): tdlm.evaluation.sandbox protects the filesystem only by the uid drop, so it "
+                     "deleted / wrote "
                      "host files outside its temp dir")  # fmt: skip
 
 
@@ -274,13 +276,13 @@ def test_killing_the_parent_leaves_the_caller_alive(limits):
                    "        try:\n            os.kill(target, sig)\n        except OSError:\n            pass\n"
                    "print('still here')\nraise SystemExit(3)")  # fmt: skip
     kill_group = "import os, signal\nos.killpg(0, signal.SIGKILL)"  # its own process group
-    # The helper imports tdlm.sandbox without tdlm/__init__ (which imports torch: ~6 s under load).
+    # The helper imports tdlm.evaluation.sandbox without tdlm/__init__ (which imports torch: ~6 s under load).
     helper = f"""
 import dataclasses, json, os, sys, types
 pkg = types.ModuleType("tdlm")
 pkg.__path__ = [{str(REPO / "tdlm")!r}]
 sys.modules["tdlm"] = pkg
-from tdlm.sandbox import SandboxLimits, run_python
+from tdlm.evaluation.sandbox import SandboxLimits, run_python
 lim = SandboxLimits(timeout_s={limits.timeout_s}, python={limits.python!r})
 for code in ({kill_parent!r}, {kill_group!r}):
     r = run_python(code.replace("HELPER", str(os.getpid())), lim)
@@ -316,7 +318,7 @@ def test_signal_handlers_do_not_outlive_the_timeout(limits):
     _ended_in_time(r, limits)
 
 
-# -- checks: a pass needs every assert to run under the harness (tdlm.sandbox._DRIVER) --------------------
+# -- checks: a pass needs every assert to run under the harness (tdlm.evaluation.sandbox._DRIVER) --------------------
 WRONG = "def f(x):\n    return 0\n"  # fails both tests below
 TESTS = ["assert f(1) == 2", "assert f(2) == 3"]
 # Each appends to WRONG; the old harness (exit status 0 = pass) passed the ones marked *.

@@ -1,4 +1,5 @@
-"""Scoring (tdlm.scoring): Math-Verify on every GSM8K / MATH-500 gold, wrong answers, MBPP reference solutions."""
+"""Scoring (tdlm.evaluation.scoring): Math-Verify on every GSM8K / MATH-500 gold, wrong answers, MBPP reference
+solutions."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tdlm.errors import TDLMError
-from tdlm.scoring import Score, Scorer, build_program, extract_code, gold_text, score, score_code, score_math
+from tdlm.evaluation.scoring import Score, Scorer, build_program, extract_code, gold_text, score, score_code, score_math
 from tdlm.tasks import load_task
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"

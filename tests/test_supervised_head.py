@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tdlm
-from tdlm.trajectories import trajectory_loss
+from tdlm.data.trajectories import trajectory_loss
 from tests.conftest import randomize_temporal, sampled_states
 
 P, N = 7, 24

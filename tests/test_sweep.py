@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tdlm.adapter import temporal_parameter_count
 from tdlm.errors import TDLMError
 from tdlm.sweep import grid, load_sweep_config, plan, table4, wandb_sweep_spec, wandb_sweep_yaml
+from tdlm.temporal.attention import temporal_parameter_count
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = "configs/sweep_tiny.yaml"
@@ -69,7 +69,7 @@ def test_wandb_sweep_file_runs_the_trial_command_the_local_runner_runs(monkeypat
 def test_failed_training_keeps_its_row_and_the_agents_run_is_the_trials(tmp_path):
     out = tmp_path / "sweep"
     traj = tmp_path / "traj"
-    from tdlm.demo import ensure_toy_trajectories
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
 
     ensure_toy_trajectories(traj, "tiny-arith", n=8)
     # a launcher that records the environment training would get, then fails
@@ -102,7 +102,7 @@ def _offline_run(run_dir: Path) -> bytes:
 
 @pytest.mark.slow
 def test_two_allocation_sweep_end_to_end(tmp_path):
-    from tdlm.demo import ensure_toy_trajectories
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
 
     traj = tmp_path / "traj"
     ensure_toy_trajectories(traj, "tiny-arith", n=16)

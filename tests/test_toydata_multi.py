@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tdlm.contamination import prompt_hash
-from tdlm.scoring import score, score_math
+from tdlm.data.contamination import prompt_hash
+from tdlm.evaluation.scoring import score, score_math
 from tdlm.tasks import PROMPT_VERSIONS, load_task
 from tdlm.tasks.multi import load_split
-from tdlm.toydata import (
+from tdlm.tasks.toydata import (
     ARITH_TRAIN_DRAWS,
     MULTI_GEN_LENGTH,
     MULTI_TEST_SIZE,
@@ -184,7 +184,7 @@ def test_shipped_tiny_multi_loads_and_its_card_matches_training_json(card):
     import torch
 
     import tdlm
-    from tdlm.tokenizer import load_tokenizer
+    from tdlm.data.tokenizer import load_tokenizer
 
     meta, readme = card
     bb = tdlm.load_backbone("tiny-multi", dtype=torch.float32)
@@ -217,8 +217,8 @@ def test_shipped_tiny_multi_solves_validation_problems_at_its_card_accuracy(card
     import torch
 
     import tdlm
+    from tdlm.data.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
     from tdlm.decoding import decode
-    from tdlm.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
 
     meta, _ = card
     bb = tdlm.load_backbone("tiny-multi", dtype=torch.float32)

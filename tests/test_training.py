@@ -16,12 +16,12 @@ import torch
 
 import tdlm
 from tdlm.config import apply_overrides, from_dict, load_yaml
+from tdlm.data.store import write_manifest
+from tdlm.data.trajectories import TrajectoryRecord, write_parquet
 from tdlm.decoding import decode
-from tdlm.generation.store import write_manifest
 from tdlm.training import lr_lambda, preflight
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json, resolve_ds_config
-from tdlm.trajectories import TrajectoryRecord, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -177,7 +177,7 @@ def test_preflight_refuses_evaluation_problems_as_teacher_prompts(tmp_path):
     gsm8k = [json.loads(line)["question"] for line in
              (REPO.parent / "shared" / "benchmarks" / "gsm8k_test.jsonl").read_text().splitlines()[:3]]
     traj = make_trajectories(tmp_path / "traj", n=8, shards=1)
-    from tdlm.trajectories import read_parquet
+    from tdlm.data.trajectories import read_parquet
 
     recs = read_parquet(traj / "shard-00000.parquet")
     for r, q in zip(recs, gsm8k, strict=False):

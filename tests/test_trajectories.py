@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tdlm
-from tdlm.trajectories import (
+from tdlm.data.trajectories import (
     IGNORE_INDEX,
     TrajectoryRecord,
     build_batch,
@@ -118,7 +118,7 @@ def test_parquet_round_trip_and_validation(tmp_path):
     assert not list(tmp_path.glob("*.tmp-*"))
     back = read_parquet(path)
     assert [r.to_row() for r in back] == [r.to_row() for r in recs]
-    ds = tdlm.trajectories.load_trajectories([path])
+    ds = tdlm.data.trajectories.load_trajectories([path])
     assert ds.num_rows == 3 and ds[0]["decode_settings"]
 
 

@@ -27,9 +27,10 @@ from pathlib import Path
 
 from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
-from tdlm.fingerprints import adapter_fingerprint, backbone_fingerprint  # noqa: F401  (re-exported)
-from tdlm.history import HistoryPolicy
+from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.tasks import TASK_NAMES
+from tdlm.temporal.adapter_files import adapter_fingerprint  # noqa: F401  (re-exported)
+from tdlm.temporal.history import HistoryPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 RUN_ORDER = ("original", "threshold", "entropy", "tdlm")  # the paper's Table 1 row order
@@ -213,7 +214,7 @@ def _slug(text: str) -> str:
 
 def read_adapter_config(directory: str) -> dict:
     """The adapter's ``tdlm_adapter.json`` (history and layers for naming and the allocation table)."""
-    from tdlm.model import ADAPTER_WEIGHTS, adapter_config_path
+    from tdlm.temporal.adapter_files import ADAPTER_WEIGHTS, adapter_config_path
 
     d = Path(directory)
     cfg_path = adapter_config_path(d)  # older folders: adapter_config.json

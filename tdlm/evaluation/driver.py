@@ -13,7 +13,7 @@ Recipe of :func:`evaluate`:
    shard files themselves, so on a multi-node cluster ``output_dir`` (and the checkpoint / adapters) must
    be on storage every node shares; a node-local dir shows up as missing samples at the merge;
 4. merge each run's shards and check every problem appears exactly once; score with
-   :class:`tdlm.scoring.Scorer` here in the driver, after decoding, so scoring never competes with the
+   :class:`tdlm.evaluation.scoring.Scorer` here in the driver, after decoding, so scoring never competes with the
    timed decodes for CPU (Math-Verify runs in the Scorer's processes' main threads, code in the sandbox);
    scores of unchanged generations are reused from the previous ``samples.jsonl``;
 5. metrics and speedups (:mod:`tdlm.evaluation.metrics`); per run ``samples.jsonl`` + ``summary.json`` + a
@@ -319,16 +319,17 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
 
 # -- 4: merge and score -------------------------------------------------------------------------------
 def _code_limits(cfg: EvalConfig):
-    from tdlm.sandbox import SandboxLimits
+    from tdlm.evaluation.sandbox import SandboxLimits
 
     return SandboxLimits(timeout_s=cfg.code_timeout_s, cpu_s=cfg.code_cpu_s)
 
 
 def check_sandbox(cfg: EvalConfig, plans: list[Plan]) -> dict | None:
-    """For a job with code tasks: probe the sandbox once (:func:`tdlm.sandbox.isolation_support`) and warn up front,
+    """For a job with code tasks: probe the sandbox once (:func:`tdlm.evaluation.sandbox.isolation_support`) and
+    warn up front,
     naming each protection this machine does not grant. Returns the probe (recorded in the job's summary.json)."""
-    from tdlm.sandbox import isolation_support
-    from tdlm.scoring import CODE_TASKS
+    from tdlm.evaluation.sandbox import isolation_support
+    from tdlm.evaluation.scoring import CODE_TASKS
 
     if not any(p.task.name in CODE_TASKS for p in plans):
         return None
@@ -346,7 +347,7 @@ def check_sandbox(cfg: EvalConfig, plans: list[Plan]) -> dict | None:
 
 def _score_all(cfg: EvalConfig, plans: list[Plan], merged: list[list[dict]]) -> list[list[dict]]:
     """Scored sample lists per run; unchanged generations keep their previous score."""
-    from tdlm.scoring import Scorer
+    from tdlm.evaluation.scoring import Scorer
 
     scored: list[list[dict | None]] = []
     todo: list[tuple[int, int]] = []

@@ -7,7 +7,7 @@ restriction is switched with :meth:`tdlm.TDLM.set_history`, which leaves the wei
 
 For every shard job: open the shard file (cutting an interrupted last line), skip ids already there
 (a Ray retry or a resumed evaluation), build prompt ids with the chat template
-(:func:`tdlm.tokenizer.encode_prompts`), run ``warmup`` untimed decodes so the timed ones exclude
+(:func:`tdlm.data.tokenizer.encode_prompts`), run ``warmup`` untimed decodes so the timed ones exclude
 lazy initialisation (CUDA context, allocator, kernel selection), then decode ``batch_size`` prompts at
 a time and append one flushed record per sample. Records carry the generation, the response token ids,
 NFE and the seconds :func:`tdlm.decode` measured (device-synchronised; with batch size 1 the latency of
@@ -92,8 +92,8 @@ class EvalWorker:
             self.error = e
 
     def _load(self) -> None:
+        from tdlm.data.tokenizer import load_tokenizer, stop_token_ids
         from tdlm.models.loading import load_backbone
-        from tdlm.tokenizer import load_tokenizer, stop_token_ids
 
         spec = self.spec
         self.device = resolve_device(spec.device)
@@ -114,7 +114,7 @@ class EvalWorker:
     def _model(self, run: dict):
         if run["policy"] != "tdlm":
             return self.backbone
-        from tdlm.model import TDLM
+        from tdlm.temporal.model import TDLM
 
         path = run["adapter"]
         model = self._adapters.get(path)
@@ -127,7 +127,7 @@ class EvalWorker:
 
     def run_shard(self, job: ShardJob, progress: Callable[[int], None] | None = None) -> ShardReport:
         """Decode the shard's remaining problems, appending one record per sample; see the module docstring."""
-        from tdlm.tokenizer import encode_prompts
+        from tdlm.data.tokenizer import encode_prompts
 
         if self.error is not None:
             raise self.error

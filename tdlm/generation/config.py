@@ -11,7 +11,7 @@ Settings split in two:
   ``tests/test_decoding.py`` and ``tests/test_generation.py``).
 
 ``allow_eval_prompts`` is neither: it only permits evaluation problems among the prompts (refused by
-default, :mod:`tdlm.contamination`); what was found is written to ``manifest["contamination"]``.
+default, :mod:`tdlm.data.contamination`); what was found is written to ``manifest["contamination"]``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tdlm.contamination import check_prompt_source
+from tdlm.data.contamination import check_prompt_source
+from tdlm.data.prompts import Prompt, PromptSource, prompts_digest
+from tdlm.data.trajectories import SCHEMA_VERSION
 from tdlm.decoding import DecodeConfig
 from tdlm.errors import TDLMError
-from tdlm.prompts import Prompt, PromptSource, prompts_digest
-from tdlm.trajectories import SCHEMA_VERSION
 
 
 @dataclass
@@ -39,7 +39,7 @@ class GenerationConfig:
     num_prompts: int | None = None  # first N prompts of the source; None = all
     chat: bool = True  # wrap prompts in the tokenizer's chat template
     # Generate from problems the evaluator scores (GSM8K test, MATH-500, MBPP test, arith held-out)?
-    # Refused unless set (tdlm.contamination); the manifest records what was found either way.
+    # Refused unless set (tdlm.data.contamination); the manifest records what was found either way.
     allow_eval_prompts: bool = False
     # decoding (tdlm.DecodeConfig)
     policy: str = DecodeConfig.policy
@@ -131,15 +131,3 @@ class GenerationConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def diff_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """Human-readable ``key: old -> new`` lines for every differing (nested) setting."""
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
-        if isinstance(a, dict) and isinstance(b, dict):
-            out.extend(diff_settings(a, b, f"{prefix}{key}."))
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return out

@@ -3,7 +3,7 @@
 Recipe of :func:`generate`:
 
 1. validate the config, load the prompts, refuse evaluation problems among them unless
-   ``allow_eval_prompts`` (:mod:`tdlm.contamination`: by source name, then by prompt hash),
+   ``allow_eval_prompts`` (:mod:`tdlm.data.contamination`: by source name, then by prompt hash),
    fingerprint backbone/adapter where the driver can see them (:func:`prepare`);
 2. lock and check the output dir (:meth:`ShardStore.open`): refuse changed settings or bad files,
    adopt a complete shard written just before a kill, list the shards left to do (nothing left:
@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tdlm.contamination import check_teacher_prompts
+from tdlm.data.contamination import check_teacher_prompts
+from tdlm.data.prompts import load_prompts
+from tdlm.data.store import ShardStore
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
-from tdlm.generation.store import ShardStore
 from tdlm.generation.worker import (
     FaultInjection,
     ShardResult,
@@ -53,7 +54,6 @@ from tdlm.generation.worker import (
     adapter_fingerprint,
     backbone_fingerprint,
 )
-from tdlm.prompts import load_prompts
 
 log = logging.getLogger("tdlm.generation")
 
@@ -185,9 +185,12 @@ def _fingerprints(cfg: GenerationConfig) -> tuple[str | None, str | None]:
 
 
 def _tdlm_version() -> str:
-    import tdlm
+    from importlib.metadata import PackageNotFoundError, version
 
-    return tdlm.__version__
+    try:
+        return version("tdlm")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "unknown"
 
 
 def _cause(e: Exception) -> BaseException:

@@ -3,8 +3,8 @@
 The class is plain Python so tests and benches can run it without Ray; the driver wraps it with
 ``ray.remote``. A replica loads the backbone (plus the TDLM adapter for policy ``tdlm``) and the
 backbone's tokenizer once, then for every shard: chat template -> token ids
-(:func:`tdlm.tokenizer.encode_prompts`), batches of ``batch_size`` prompts of similar length (less
-left padding), :func:`tdlm.decode`, and one :class:`~tdlm.trajectories.TrajectoryRecord` per prompt
+(:func:`tdlm.data.tokenizer.encode_prompts`), batches of ``batch_size`` prompts of similar length (less
+left padding), :func:`tdlm.decode`, and one :class:`~tdlm.data.trajectories.TrajectoryRecord` per prompt
 in prompt order. It writes no files: the driver is the only writer of the output dir.
 """
 
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from tdlm.data.trajectories import TrajectoryRecord
 from tdlm.decoding import DecodeConfig, decode
 from tdlm.errors import TDLMError
-from tdlm.fingerprints import adapter_fingerprint, backbone_fingerprint  # noqa: F401  (re-exported)
-from tdlm.trajectories import TrajectoryRecord
+from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
+from tdlm.temporal.adapter_files import adapter_fingerprint  # noqa: F401  (re-exported)
 
 # Test-only fault injection (see FaultInjection.from_env). Inert unless the variable is set.
 CRASH_ENV = "TDLM_TEST_CRASH_SHARD"  # "<k>": the actor decoding shard k hard-exits on its first attempt
@@ -118,9 +119,9 @@ class ShardWorker:
             self.error = e
 
     def _load(self) -> None:
-        from tdlm.model import TDLM
+        from tdlm.data.tokenizer import load_tokenizer, stop_token_ids
         from tdlm.models.loading import load_backbone
-        from tdlm.tokenizer import load_tokenizer, stop_token_ids
+        from tdlm.temporal.model import TDLM
 
         spec = self.spec
         if spec.threads:
@@ -167,7 +168,7 @@ class ShardWorker:
         self._passed_barrier = True
 
     def run_shard(self, task: ShardTask) -> ShardResult:
-        from tdlm.tokenizer import encode_prompts
+        from tdlm.data.tokenizer import encode_prompts
 
         if self.error is not None:
             raise self.error

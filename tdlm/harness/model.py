@@ -73,10 +73,10 @@ class TDLMHarnessLM(LM):
         super().__init__()
         import torch
 
+        from tdlm.data.tokenizer import load_tokenizer, stop_token_ids
         from tdlm.decoding import DecodeConfig
-        from tdlm.model import TDLM
         from tdlm.models.loading import load_backbone
-        from tdlm.tokenizer import load_tokenizer, stop_token_ids
+        from tdlm.temporal.model import TDLM
 
         self.config = from_dict(HarnessConfig, {"backbone": str(backbone), **model_args}, "--model_args")
         c = self.config
@@ -149,7 +149,7 @@ class TDLMHarnessLM(LM):
         return self.loglikelihood(requests)
 
     def _encode(self, context: str) -> list[int]:
-        from tdlm.tokenizer import encode_prompts
+        from tdlm.data.tokenizer import encode_prompts
 
         if self._harness_chat:  # already rendered by the template: its special tokens are in the text
             return [int(i) for i in self.tokenizer(context, add_special_tokens=False)["input_ids"]]

@@ -119,7 +119,7 @@ class Backbone(nn.Module):
 
     family: str = ""
     logit_shift: int = 0  # the hidden state at p - logit_shift predicts token p
-    # Identity of the weights (tdlm.fingerprints), set by the loaders; None = not known (built in code).
+    # Identity of the weights (tdlm.models.fingerprints), set by the loaders; None = not known (built in code).
     weight_fingerprint: str | None = None
     mask_token_id: int
     eos_token_id: int

@@ -25,9 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tdlm.errors import TDLMError
-from tdlm.fingerprints import weight_fingerprint_files
 from tdlm.models.common import Backbone
 from tdlm.models.dream import Dream, DreamConfig
+from tdlm.models.fingerprints import sha256_file, weight_fingerprint_files
 from tdlm.models.llada import LLaDA, LLaDAConfig
 
 log = logging.getLogger("tdlm.models")
@@ -347,3 +347,21 @@ def random_backbone(family: str, config: dict, seed: int = 0, backbone_id: str =
     _init_weights(model, seed)
     model.backbone_id = backbone_id
     return model.freeze()
+
+
+def backbone_fingerprint(name_or_path: str) -> str:
+    """The preset name, or sha256 over config.json + weight file names/sizes.
+
+    Hashing multi-GB weights would cost minutes per resume; config + shard sizes catch a different
+    checkpoint in practice. Raises TDLMError if the checkpoint is not visible on this machine.
+    """
+    if name_or_path in PRESETS:
+        return f"preset:{name_or_path}"
+    folder = _resolve_folder(name_or_path)
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
+    h = sha256_file(cfg)
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"sha256:{h.hexdigest()}"

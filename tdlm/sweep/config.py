@@ -138,8 +138,8 @@ def plan(cfg: SweepConfig, spec: str, source: str) -> AllocationPlan:
     sweep file and the allocation."""
     import torch
 
-    from tdlm.model import TDLM
     from tdlm.models.loading import load_backbone_meta
+    from tdlm.temporal.model import TDLM
     from tdlm.training import temporal_config, validate_run
 
     raw = to_dict(base_run(cfg, source))

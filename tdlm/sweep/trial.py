@@ -102,9 +102,9 @@ def _write_json(path: Path, data: dict) -> None:
 def prepare_trajectories(cfg: SweepConfig, source: str) -> str:
     """The embedded default's teacher trajectories are generated once (as the launcher does, only for its own
     default folder); returns the sha256 of the trajectories' manifest."""
-    from tdlm.data import verify_manifest
-    from tdlm.demo import ensure_toy_trajectories
-    from tdlm.generation.store import MANIFEST
+    from tdlm.data.store import MANIFEST
+    from tdlm.data.stream import verify_manifest
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
     from tdlm.training.config import DataConfig
 
     run = base_run(cfg, source)

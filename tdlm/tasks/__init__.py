@@ -2,15 +2,15 @@
 
 ``load_task(name)`` returns a :class:`~tdlm.tasks.base.Task` whose problems carry the zero-shot user message
 (``Problem.prompt``; the chat template is applied by the decoder) and the gold answer / tests. Scoring lives in
-:mod:`tdlm.scoring`; code execution in :mod:`tdlm.sandbox`.
+:mod:`tdlm.evaluation.scoring`; code execution in :mod:`tdlm.evaluation.sandbox`.
 
 | name      | split                        | problems | prompt version | metric   |
 |-----------|------------------------------|----------|----------------|----------|
 | gsm8k     | openai/gsm8k main test       | 1,319    | gsm8k-v1       | accuracy |
 | math500   | HuggingFaceH4/MATH-500 test  | 500      | math500-v1     | accuracy |
 | mbpp      | mbpp sanitized test          | 257      | mbpp-v1        | pass@1   |
-| arith     | generated (tdlm.toydata)     | 500      | arith-v1       | accuracy |
-| multi     | generated (tdlm.toydata)     | 500      | multi-v1       | accuracy |
+| arith     | generated (tdlm.tasks.toydata)     | 500      | arith-v1       | accuracy |
+| multi     | generated (tdlm.tasks.toydata)     | 500      | multi-v1       | accuracy |
 """
 
 from __future__ import annotations

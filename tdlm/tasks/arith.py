@@ -1,4 +1,4 @@
-"""The embedded default's held-out task: arithmetic chains (``tdlm.toydata``), scored with Math-Verify.
+"""The embedded default's held-out task: arithmetic chains (``tdlm.tasks.toydata``), scored with Math-Verify.
 
 Prompt ``arith-v1`` is the bare question (``3+5-2+9=?``): the tiny backbone was trained on exactly that
 user message. Gold = the integer result; a generation is correct when Math-Verify finds it (the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from tdlm.tasks.base import Task, generated_task
-from tdlm.toydata import TASK_VERSION, TEST_SIZE, split
+from tdlm.tasks.toydata import TASK_VERSION, TEST_SIZE, split
 
 NAME = "arith"
 PROMPT_VERSION = TASK_VERSION

@@ -10,7 +10,7 @@ Prompt ``gsm8k-v1`` (user message, no chat template)::
     Please reason step by step, and put your final answer within \\boxed{}.
 
 This is the zero-shot instruction used by the Qwen2.5-Math / Dream evaluations; scoring reads the last
-``\\boxed{}`` (or any final number) with Math-Verify, see :mod:`tdlm.scoring`.
+``\\boxed{}`` (or any final number) with Math-Verify, see :mod:`tdlm.evaluation.scoring`.
 """
 
 from __future__ import annotations

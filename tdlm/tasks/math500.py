@@ -9,7 +9,7 @@ Prompt ``math500-v1`` (user message, no chat template)::
     {problem}
     Please reason step by step, and put your final answer within \\boxed{}.
 
-The gold answer is the ``answer`` field (LaTeX); :mod:`tdlm.scoring` parses it as ``\\boxed{answer}``.
+The gold answer is the ``answer`` field (LaTeX); :mod:`tdlm.evaluation.scoring` parses it as ``\\boxed{answer}``.
 """
 
 from __future__ import annotations

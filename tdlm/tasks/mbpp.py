@@ -15,8 +15,9 @@ the model learns the function name and signature; all asserts are run when scori
 
     Answer with a single ```python code block that contains the complete solution.
 
-Scoring (:func:`tdlm.scoring.score_code`) runs ``test_imports`` + extracted code, then each assert of
-``test_list`` on its own, in :mod:`tdlm.sandbox`; pass@1 means every assert ran and passed and the sandbox's harness
+Scoring (:func:`tdlm.evaluation.scoring.score_code`) runs ``test_imports`` + extracted code, then each assert of
+``test_list`` on its own, in :mod:`tdlm.evaluation.sandbox`; pass@1 means every assert ran and passed and the
+sandbox's harness
 reached its end (an early ``sys.exit(0)`` / ``os._exit(0)`` is a failure, as in the anchors' harnesses).
 """
 

@@ -1,9 +1,10 @@
-"""The ``multi-v1`` task (``tdlm.toydata``): arithmetic chains whose responses have many equally valid surface forms.
+"""The ``multi-v1`` task (``tdlm.tasks.toydata``): arithmetic chains whose responses have many equally valid
+surface forms.
 
 Prompt ``multi-v1`` is the bare question (``3+5-2+9 = ?``), the user message ``tiny-multi`` was trained on. Gold =
 the integer result; a generation is correct when Math-Verify finds it (any surface form ending with
 ``\\boxed{result}``), exactly as for ``arith``. The registered task is the held-out **test** split
-(:data:`~tdlm.toydata.MULTI_TEST_SIZE` problems), which only ``make demo`` evaluates; recipe choices and backbone
+(:data:`~tdlm.tasks.toydata.MULTI_TEST_SIZE` problems), which only ``make demo`` evaluates; recipe choices and backbone
 checks use :func:`load_split` with ``"validation"``. Nothing is downloaded; ``data_dir`` is ignored.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 
 from tdlm.tasks.base import Task, generated_task
-from tdlm.toydata import MULTI_TASK_VERSION, MULTI_TEST_SIZE, MULTI_VALIDATION_SIZE, multi_split
+from tdlm.tasks.toydata import MULTI_TASK_VERSION, MULTI_TEST_SIZE, MULTI_VALIDATION_SIZE, multi_split
 
 NAME = "multi"
 PROMPT_VERSION = MULTI_TASK_VERSION

@@ -27,7 +27,7 @@ class DataConfig:
     seed: int = 0  # data order and state sampling
     allow_foreign_backbone: bool = False  # accept shards whose backbone_id differs from the backbone
     # Train on teacher prompts that are evaluation problems (GSM8K test, MATH-500, MBPP test, arith
-    # held-out)? Refused by the preflight unless set (tdlm.contamination); the overlap is logged either way.
+    # held-out)? Refused by the preflight unless set (tdlm.data.contamination); the overlap is logged either way.
     allow_eval_prompts: bool = False
 
 

@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from tdlm.config import to_dict
-from tdlm.contamination import check_trajectory_prompts
-from tdlm.data import TrajectoryStream, shard_paths, verify_manifest
+from tdlm.data.contamination import check_trajectory_prompts
+from tdlm.data.stream import TrajectoryStream, shard_paths, verify_manifest
+from tdlm.data.trajectories import IGNORE_INDEX, trajectory_loss
 from tdlm.errors import TDLMError
-from tdlm.model import TDLM, TemporalConfig
+from tdlm.temporal.model import TDLM, TemporalConfig
 from tdlm.tracking import NullTracker, Tracker, run_tags
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import resolve_ds_config, uses_activation_checkpointing
@@ -46,7 +47,6 @@ from tdlm.training.run_dir import (
     newest_verified_tag,
     write_checksums,
 )
-from tdlm.trajectories import IGNORE_INDEX, trajectory_loss
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -97,8 +97,8 @@ def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
 
 def validate_run(run: RunConfig, source: str = "run config") -> None:
     """Every field's range, before anything runs (no backbone, no cluster, no trajectories needed)."""
-    from tdlm.history import HistoryPolicy
-    from tdlm.model import ALIGNMENTS
+    from tdlm.temporal.history import HistoryPolicy
+    from tdlm.temporal.model import ALIGNMENTS
 
     def bad(field: str, want: str, got) -> TDLMError:
         return TDLMError(f"{source}: {field} must be {want}; got {got!r}")
@@ -369,7 +369,7 @@ def export_adapter(sess: Session, directory: str | Path) -> Path | None:
     """fp32 master weights of the temporal modules -> adapter folder (collective; rank 0 writes)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from tdlm.model import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from tdlm.temporal.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
     state = {}
     for name, p in sess.model.temporal.named_parameters():

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from tdlm.config import to_dict
 from tdlm.errors import TDLMError
-from tdlm.fingerprints import check_listed_files, sha256_file
+from tdlm.models.fingerprints import check_listed_files, sha256_file
 from tdlm.training.config import RunConfig
 
 log = logging.getLogger("tdlm.training")

@@ -2,7 +2,8 @@
 ``tdlm_arith``, ``tdlm_multi``): the problems come from :func:`tdlm.tasks.load_task`, so the harness reads the same
 local benchmark copies (``data_dir`` from ``--metadata '{"data_dir": ...}'``, else ``$TDLM_DATA_DIR``, else
 ``../shared/benchmarks``; never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as
-``eval/run.py``, and a completion is scored by :func:`tdlm.scoring.score` (Math-Verify gold first; MBPP in the
+``eval/run.py``, and a completion is scored by :func:`tdlm.evaluation.scoring.score` (Math-Verify gold first; MBPP
+in the
 sandbox), so a number from the harness and one from ``eval/run.py`` mean the same thing."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def multi(**_) -> datasets.DatasetDict:
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """``acc`` = 1.0 if the completion is correct (math: Math-Verify; code: every assert passes in the sandbox)."""
-    from tdlm.scoring import score
+    from tdlm.evaluation.scoring import score
     from tdlm.tasks import Problem
 
     problem = Problem(task=doc["task"], id=doc["id"], index=int(doc["index"]), prompt=doc["prompt"],

@@ -119,8 +119,8 @@ def init_random_(backbone: Backbone, seed: int = 0) -> Backbone:
 
 
 def random_batch(backbone: Backbone, micro_batch: int, states: int, seq_len: int, response_len: int, seed: int = 0):
-    """A :class:`tdlm.trajectories.TrainingBatch` of random teacher trajectories, one token revealed per step."""
-    from tdlm.trajectories import TrajectoryRecord, build_batch
+    """A :class:`tdlm.data.trajectories.TrainingBatch` of random teacher trajectories, one token revealed per step."""
+    from tdlm.data.trajectories import TrajectoryRecord, build_batch
 
     g = torch.Generator().manual_seed(seed)
     P, N = seq_len - response_len, response_len
@@ -198,7 +198,7 @@ def _measure_here(
     seed,
 ) -> Measurement:
     """Run ``steps`` real training steps in this process on the CPU and measure their peak."""
-    from tdlm.model import TDLM, TemporalConfig
+    from tdlm.temporal.model import TDLM, TemporalConfig
 
     N = seq_len // 2 if response_len is None else response_len
     backbone = init_random_(build_backbone(spec.family, spec.config, spec.name), seed).to(DTYPES[dtype]).freeze()

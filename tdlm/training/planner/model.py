@@ -44,7 +44,7 @@ Static terms (bytes per GPU)
   * ZeRO buffers      the contiguous-gradient IPG bucket: ``reduce_bucket_size`` (5e8) x g at stage 3,
                       x 4 at stage 1 (fp32 staging), x g at stage 2, doubled by ``overlap_comm`` at stages 1-2.
 
-Activations (saved for backward; per token, from the code paths of ``tdlm/models`` and ``tdlm/model.py``)
+Activations (saved for backward; per token, from the code paths of ``tdlm/models`` and ``tdlm/temporal/model.py``)
   * block, attention  4 d + 4 (RMSNorm input in fp32 + rsqrt) + e (2 q_dim + 2 kv_dim) (q, k after RoPE, v, SDPA
                       output) + 4 H (log-sum-exp). Frozen linears save no inputs (only weights, which need no grad).
                       Fused SDPA (flash / memory-efficient) is assumed: no L x L matrix.
@@ -294,7 +294,7 @@ class Inventory:
 
 @functools.lru_cache(maxsize=64)
 def _inventory(spec: BackboneSpec, layers: str | None, heads: int | None, head_dim: int | None) -> Inventory:
-    from tdlm.model import TDLM, TemporalConfig
+    from tdlm.temporal.model import TDLM, TemporalConfig
 
     with torch.device("meta"):
         backbone = build_backbone(spec.family, spec.config, spec.name)

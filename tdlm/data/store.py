@@ -5,14 +5,14 @@ Layout::
     <output_dir>/
         manifest.json          settings, backbone id, per-shard sha256 / rows, counts, NFE statistics,
                                prompts (source, split, one hash per prompt) and contamination (overlap
-                               with the evaluation problems; tdlm.contamination)
-        shard-00000.parquet    prompts [0, S)        (tdlm.trajectories schema, one row per prompt)
+                               with the evaluation problems; tdlm.data.contamination)
+        shard-00000.parquet    prompts [0, S)        (tdlm.data.trajectories schema, one row per prompt)
         shard-00001.parquet    prompts [S, 2S)
         ...
         .lock                  held (flock) by the one driver writing this dir
 
 Only the driver writes here. A shard is written to ``<name>.tmp-<pid>`` and renamed into place
-(:func:`tdlm.trajectories.write_parquet`); the manifest is rewritten the same way after every shard.
+(:func:`tdlm.data.trajectories.write_parquet`); the manifest is rewritten the same way after every shard.
 So a killed job leaves whole shards only, at worst one more shard on disk than the manifest lists.
 
 What :meth:`ShardStore.open` does with what it finds (documented policy):
@@ -52,10 +52,10 @@ import re
 import statistics
 from pathlib import Path
 
+from tdlm.config import diff_settings
+from tdlm.data.prompts import Prompt
+from tdlm.data.trajectories import TrajectoryRecord, read_parquet, write_parquet
 from tdlm.errors import TDLMError
-from tdlm.generation.config import diff_settings
-from tdlm.prompts import Prompt
-from tdlm.trajectories import TrajectoryRecord, read_parquet, write_parquet
 
 log = logging.getLogger("tdlm.generation")
 
@@ -104,7 +104,7 @@ class ShardStore:
         self.shard_size = shard_size
         self.identity = dict(identity)
         # {"prompts": source/split/per-prompt hashes, "contamination": report} from
-        # tdlm.contamination.check_teacher_prompts: top-level manifest keys, not settings (not compared on
+        # tdlm.data.contamination.check_teacher_prompts: top-level manifest keys, not settings (not compared on
         # resume: the prompts themselves are, via prompts_sha256)
         self.provenance = dict(provenance or {})
         self.num_shards = math.ceil(len(prompts) / shard_size)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from tdlm.errors import TDLMError
-from tdlm.model import TDLM
 from tdlm.models.common import Backbone
+from tdlm.temporal.model import TDLM
 
 MAX_LAG = 8
 

@@ -32,7 +32,8 @@ Each call to :func:`run_python` gets:
   writes), stdin from ``/dev/null`` (``input()`` raises ``EOFError`` rather than hanging) and a minimal env.
 
 Why a launcher instead of ``preexec_fn``: ``preexec_fn`` runs Python between ``fork`` and ``exec``, which the
-``subprocess`` docs call unsafe when the parent has threads (the evaluation driver and :class:`tdlm.scoring.Scorer`
+``subprocess`` docs call unsafe when the parent has threads (the evaluation driver and
+:class:`tdlm.evaluation.scoring.Scorer`
 do), and it forces a full ``fork`` of a possibly multi-GiB parent. Instead a small single-threaded Python launcher
 (``_LAUNCHER``) applies the limits and namespaces to itself and then ``exec``s the sample; ``subprocess`` can then
 use ``vfork``. The launcher reports what it achieved over a close-on-exec pipe (JSON lines; EOF with no

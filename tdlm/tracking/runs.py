@@ -117,7 +117,7 @@ def _adapter_artifact(adapter_dir: str | Path, name: str, metadata: dict | None 
     """The adapter's two files (config + weights; a model card beside them is not part of the artifact)."""
     import wandb
 
-    from tdlm.model import ADAPTER_WEIGHTS, adapter_config_path
+    from tdlm.temporal.adapter_files import ADAPTER_WEIGHTS, adapter_config_path
 
     art = wandb.Artifact(name, type=ADAPTER_ARTIFACT_TYPE, metadata=metadata or {})
     cfg = adapter_config_path(adapter_dir)

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tdlm.errors import TDLMError
-from tdlm.model import TDLM, StepGroup
 from tdlm.models.common import Backbone
 from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
+from tdlm.temporal.model import TDLM, StepGroup
 
 POLICIES = ("original", "threshold", "tdlm", "entropy")
 

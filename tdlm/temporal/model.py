@@ -12,7 +12,7 @@ Two evaluation modes compute the same function (Prop. 2):
 
 With every W_O = 0 both modes equal the backbone bit for bit (Prop. 1).
 
-**Bounded-memory history** ``latent:M`` (``tdlm/perceiver.py``): each temporal layer owns M learned
+**Bounded-memory history** ``latent:M`` (``tdlm/temporal/perceiver.py``): each temporal layer owns M learned
 initial latents (M, d) and an LDLM Perceiver block. A masked position's query q = R(r_i) W_Q h (Eq. 7)
 attends, with the zero-value sink (Eq. 8-9), to k = R(r_last) W_K u, v = W_V u of its M latents u
 instead of the full history; then the latents absorb the current pre-correction entry,
@@ -51,19 +51,20 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tdlm.adapter import TemporalAttention, resolve_layers, sink_softmax, temporal_parameter_count
 from tdlm.errors import TDLMError
-from tdlm.history import HistoryPolicy, LatentCache, TemporalCache
 from tdlm.models.common import Backbone, ForwardContext
 from tdlm.models.kv_cache import KVStep
-from tdlm.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_count
+from tdlm.temporal.adapter_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_FORMAT_VERSION,
+    ADAPTER_WEIGHTS,
+    adapter_config_path,
+    resolve_adapter,
+)
+from tdlm.temporal.attention import TemporalAttention, resolve_layers, sink_softmax, temporal_parameter_count
+from tdlm.temporal.history import HistoryPolicy, LatentCache, TemporalCache
+from tdlm.temporal.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_count
 
-ADAPTER_FORMAT_VERSION = 1
-ADAPTER_WEIGHTS = "adapter.safetensors"
-ADAPTER_CONFIG = "tdlm_adapter.json"
-# Adapters written before the rename used PEFT's file name (Hub tooling took them for PEFT adapters); they still
-# load, and nothing writes that name any more.
-ADAPTER_CONFIG_LEGACY = "adapter_config.json"
 ALIGNMENTS = ("prediction", "input")
 
 
@@ -76,7 +77,7 @@ class TemporalConfig:
     head_dim: int | None = None  # d_h; d_t = M * d_h
     history: str = "full"  # "full" | "last:k" | "current" | "latent:M"
     rope_base: float = 10000.0  # temporal RoPE base (Eq. 7)
-    # Perceiver block of latent:M only (tdlm/perceiver.py); None = the temporal heads x head_dim, so
+    # Perceiver block of latent:M only (tdlm/temporal/perceiver.py); None = the temporal heads x head_dim, so
     # d_attn = d_t (LDLM's d_attn = d would be ~100M parameters per layer at d = 4096).
     perceiver_heads: int | None = None
     perceiver_head_dim: int | None = None
@@ -673,49 +674,22 @@ class TDLM(nn.Module):
         model.training_record = raw.get("training")
         return model
 
-    # -- Hugging Face Hub (tdlm/hub.py) ------------------------------------------------------------
+    # -- Hugging Face Hub ---------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, backbone: Backbone | str, source: str | os.PathLike, history: str | None = None,
-                        allow_other_backbone: bool = False, **hub) -> TDLM:
+                        allow_other_backbone: bool = False, revision: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+                        local_files_only: bool | None = None, dtype=None, device="cpu") -> TDLM:
         """``from_adapter`` on a local folder or a Hub repo id (``huggingface_hub.snapshot_download``; offline with
-        ``HF_HUB_OFFLINE``). ``backbone``: a Backbone, or a name for ``tdlm.load_backbone``. ``hub``: revision,
-        cache_dir, token, local_files_only, dtype, device."""
-        from tdlm.hub import from_pretrained
+        ``HF_HUB_OFFLINE``). ``backbone``: a Backbone, or a name / folder / cached Hub id for ``tdlm.load_backbone``.
+        Writing and uploading (with a model card) are functions of the Hub layer: ``tdlm.hub.save_pretrained`` and
+        ``tdlm.hub.push_to_hub``."""
+        from tdlm.models.loading import load_backbone
 
-        return from_pretrained(backbone, source, history, allow_other_backbone, cls=cls, **hub)
-
-    def save_pretrained(self, directory: str | os.PathLike, evaluations=(), repo_id: str | None = None) -> Path:
-        """The adapter files plus a generated model card (README.md; its evaluation table from ``evaluations``,
-        evaluation output dirs whose runs decoded these weights)."""
-        from tdlm.hub import save_pretrained
-
-        return save_pretrained(self, directory, evaluations, repo_id)
-
-    def push_to_hub(self, repo_id: str, evaluations=(), **kw):
-        """``save_pretrained`` into a temporary folder and ``HfApi.upload_folder`` it (the repo is created if
-        missing). ``kw``: private, token, commit_message, revision, create_pr. Returns the ``CommitInfo``."""
-        from tdlm.hub import push_to_hub
-
-        return push_to_hub(self, repo_id, evaluations, **kw)
-
-
-def adapter_config_path(directory: str | os.PathLike) -> Path:
-    """The adapter's config file: ``tdlm_adapter.json``, or PEFT's name ``adapter_config.json`` in folders written
-    before the rename (a real PEFT adapter there is refused by name)."""
-    d = Path(directory)
-    if (d / ADAPTER_CONFIG).exists():
-        return d / ADAPTER_CONFIG
-    legacy = d / ADAPTER_CONFIG_LEGACY
-    if legacy.exists():
-        try:
-            raw = json.loads(legacy.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return legacy  # the reader reports the invalid JSON, naming the file
-        if isinstance(raw, dict) and "peft_type" in raw:
-            raise TDLMError(f"{legacy}: a PEFT adapter (peft_type={raw['peft_type']!r}), not a TDLM adapter "
-                            f"(expected {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS} written by TDLM.save_adapter)")
-        return legacy
-    raise TDLMError(f"{d}: missing {ADAPTER_CONFIG} (expected a folder written by TDLM.save_adapter)")
+        folder = resolve_adapter(source, revision, cache_dir, token, local_files_only)
+        bb = load_backbone(backbone, dtype=dtype, device=device) if isinstance(backbone, str) else backbone
+        model = cls.from_adapter(bb, folder, history=history, allow_other_backbone=allow_other_backbone)
+        return model.to(next(bb.parameters()).device).eval()
 
 
 def backbone_identity(backbone: Backbone) -> str | None:
@@ -725,7 +699,7 @@ def backbone_identity(backbone: Backbone) -> str | None:
     params = list(backbone.parameters())
     if not params or any(p.is_meta or p.numel() == 0 for p in params):  # meta or ZeRO-3 partitioned
         return None
-    from tdlm.fingerprints import weight_fingerprint_module
+    from tdlm.models.fingerprints import weight_fingerprint_module
 
     return weight_fingerprint_module(backbone)
 

@@ -32,7 +32,7 @@ hashes are recomputed from the shards' ``prompt_text`` column.
 Where evaluation problems come from: ``data_dir`` / ``$TDLM_DATA_DIR`` if given, else the pinned
 copies in ``../shared/benchmarks`` when present, else :func:`tdlm.tasks.base.load_records` (the Hub).
 The copies are the same records as the Hub splits (record counts checked by the loaders), so this
-order only avoids a Hub probe; the arith held-out split is generated (:mod:`tdlm.toydata`).
+order only avoids a Hub probe; the arith held-out split is generated (:mod:`tdlm.tasks.toydata`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from tdlm.errors import TDLMError
 
-log = logging.getLogger("tdlm.contamination")
+log = logging.getLogger("tdlm.data.contamination")
 
 HASH_VERSION = "tdlm-prompt-v1"
 HASH_RULE = "sha256(NFC text, whitespace runs collapsed to one space, stripped) as UTF-8; first 16 hex digits"
@@ -82,8 +82,8 @@ EVAL_SPLITS: dict[str, EvalSplit] = {
         # any MBPP config: the sanitized test ids 11-510 are a subset of the full test split
         EvalSplit("mbpp", "mbpp test problems", "prompt", ("google-research-datasets/mbpp", "mbpp"), "test",
                   ("mbpp_sanitized_test.jsonl",)),  # fmt: skip
-        EvalSplit("arith", "arith held-out (test split) problems", "question"),  # generated, see tdlm.toydata
-        EvalSplit("multi", "multi held-out (test split) problems", "question"),  # generated, see tdlm.toydata
+        EvalSplit("arith", "arith held-out (test split) problems", "question"),  # generated, see tdlm.tasks.toydata
+        EvalSplit("multi", "multi held-out (test split) problems", "question"),  # generated, see tdlm.tasks.toydata
     )
 }
 
@@ -202,7 +202,7 @@ def eval_split_of(source: str, config: str | None = None, split: str | None = No
 
 
 def eval_split_of_tag(tag: str) -> EvalSplit | None:
-    """Same for a :meth:`tdlm.prompts.PromptSource.tag` (``file name`` or ``name[/config]/split``),
+    """Same for a :meth:`tdlm.data.prompts.PromptSource.tag` (``file name`` or ``name[/config]/split``),
     the only record of the source in manifests written before ``manifest["prompts"]``."""
     hit = eval_split_of(tag)
     if hit is not None or "/" not in tag:
@@ -223,7 +223,7 @@ def _describe_source(source: str, config: str | None, split: str | None, local: 
 
 
 def check_prompt_source(src, allow_eval_prompts: bool = False) -> EvalSplit | None:
-    """Refuse a :class:`tdlm.prompts.PromptSource` that is an evaluation split (by name), unless allowed."""
+    """Refuse a :class:`tdlm.data.prompts.PromptSource` that is an evaluation split (by name), unless allowed."""
     hit = eval_split_of(src.source, src.config, None if src.is_local() else src.split)
     if hit is not None and not allow_eval_prompts:
         where = _describe_source(src.source, src.config, src.split, src.is_local())

@@ -33,38 +33,6 @@ def check_listed_files(root: Path, listed: dict[str, str], present: set[str], li
             raise TDLMError(f"{path}: sha256 differs from {listing} (the file changed after it was written); {changed}")
 
 
-def backbone_fingerprint(name_or_path: str) -> str:
-    """The preset name, or sha256 over config.json + weight file names/sizes.
-
-    Hashing multi-GB weights would cost minutes per resume; config + shard sizes catch a different
-    checkpoint in practice. Raises TDLMError if the checkpoint is not visible on this machine.
-    """
-    from tdlm.models.loading import PRESETS, _resolve_folder
-
-    if name_or_path in PRESETS:
-        return f"preset:{name_or_path}"
-    folder = _resolve_folder(name_or_path)
-    cfg = folder / "config.json"
-    if not cfg.exists():
-        raise TDLMError(f"{folder}: no config.json (expected a LLaDA or Dream checkpoint folder)")
-    h = sha256_file(cfg)
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"sha256:{h.hexdigest()}"
-
-
-def adapter_fingerprint(directory: str) -> str:
-    """sha256 over the adapter's two files (small: the temporal weights only)."""
-    from tdlm.model import ADAPTER_WEIGHTS, adapter_config_path
-
-    h = hashlib.sha256()
-    for p in (adapter_config_path(directory), Path(directory) / ADAPTER_WEIGHTS):  # config: either file name
-        if not p.exists():
-            raise TDLMError(f"{directory}: missing {p.name} (expected a folder written by TDLM.save_adapter)")
-        sha256_file(p, h)
-    return f"sha256:{h.hexdigest()}"
-
-
 # -- weight fingerprints (adapter <-> backbone identity) ------------------------------------------
 WEIGHT_FP_VERSION = "w1"
 

@@ -7,7 +7,7 @@ A policy decides which earlier evaluations J_p(i) a masked position may retrieve
 * ``current``  - only the current evaluation's own entry j = i (plus the sink); the learned
   Q/K/sink gate is kept but no history is used;
 * ``latent:M`` - bounded memory: M latent vectors per position and temporal layer, folded forward by
-  a Perceiver block after each evaluation (``tdlm/perceiver.py``). The query reads the latents, not
+  a Perceiver block after each evaluation (``tdlm/temporal/perceiver.py``). The query reads the latents, not
   the entries, so memory is constant in the number of steps. This policy is recurrent: it has no
   parallel mask, and needs perceiver weights trained with it (:class:`LatentCache`).
 
@@ -205,7 +205,7 @@ class LatentCache(TemporalCache):
     Instead of a growing list of entries each layer holds M vectors per response position, so the
     size is B N (L_t M d + 1) elements plus B progress counts, whatever the number of steps.
     ``r_last`` (B,) is the revealed-token count of the input that last updated the latents (0 before
-    the first update; it rotates the latent keys, see ``tdlm/model.py``). ``alive`` (B, N) marks
+    the first update; it rotates the latent keys, see ``tdlm/temporal/model.py``). ``alive`` (B, N) marks
     positions masked in every evaluation so far; a revealed position's latents are dead.
     The latents carry autograd history when written under grad (training through the recurrence).
     """

@@ -23,7 +23,7 @@ position keeps M latent vectors per temporal layer, initialised from M learned v
 after each evaluation by ``latents <- latents + Perceiver(latents, [h_{l,p}(S_i)])`` where
 h_{l,p}(S_i) is the representation before the layer's temporal correction, the same vector full
 history stores (TDLM paper, Eq. 2 and Eq. 7). Memory per position is M d per layer, independent of
-the number of steps. How :class:`tdlm.TDLM` reads it is documented in ``tdlm/model.py``.
+the number of steps. How :class:`tdlm.TDLM` reads it is documented in ``tdlm/temporal/model.py``.
 """
 
 from __future__ import annotations

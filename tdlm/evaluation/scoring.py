@@ -20,12 +20,13 @@ main interpreter, and a SIGALRM handler cannot interrupt a long C-level SymPy ca
 - :class:`Scorer` (for the driver, safe from any thread) sends math jobs to worker processes whose *main thread*
   runs :func:`score_math`, and adds a hard wall-clock limit: a worker that overruns is killed and replaced and the
   sample scores as ``timeout`` (wrong). Workers are started with ``spawn`` (never ``fork`` a threaded parent).
-  Code samples run in :mod:`tdlm.sandbox`, which is thread-safe, directly from the calling thread.
+  Code samples run in :mod:`tdlm.evaluation.sandbox`, which is thread-safe, directly from the calling thread.
 
 MBPP: :func:`extract_code` takes the first fenced ```` ```python ```` block, else the first ```` ``` ```` block,
 else the raw text (an unterminated fence runs to the end: generations are cut at the token budget). Then
 ``test_imports`` + code run as ``main.py`` and each assert of ``test_list`` runs after it, compiled on its own, in the
-same namespace (:func:`tdlm.sandbox.run_python` with ``checks``); pass@1 means every assert ran and passed and the
+same namespace (:func:`tdlm.evaluation.sandbox.run_python` with ``checks``); pass@1 means every assert ran and
+passed and the
 harness reached its end: exit status 0 *and* the run's secret completion token came back, so a sample that exits
 early with status 0 (``sys.exit(0)``, ``os._exit(0)``, ``raise SystemExit``, an exiting ``excepthook`` / ``atexit``
 hook) or kills its parent fails, as in the anchors' harnesses (human-eval counts these as failed / timed out).
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdlm.errors import TDLMError
-from tdlm.sandbox import SandboxLimits, SandboxResult, run_python
+from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, run_python
 from tdlm.tasks.base import Problem
 
 MATH_TASKS = ("gsm8k", "math500", "arith", "multi")
@@ -115,7 +116,8 @@ def parse_gold(task: str, answer: str, timeout_s: int = MATH_TIMEOUT_S) -> list[
 
 def _require_main_thread(what: str) -> None:
     if threading.current_thread() is not threading.main_thread():
-        raise TDLMError(f"{what}: called off the main thread; Math-Verify uses signal.alarm, use tdlm.scoring.Scorer")
+        raise TDLMError(f"{what}: called off the main thread; Math-Verify uses signal.alarm, "
+                        "use tdlm.evaluation.scoring.Scorer")
 
 
 def _extracted_string(pred: Sequence[Any]) -> str:

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from tdlm.data.trajectories import TrainingBatch, TrajectoryRecord, build_batch, read_parquet
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
-from tdlm.trajectories import TrainingBatch, TrajectoryRecord, build_batch, read_parquet
 
 
 def shard_paths(folder: str | Path) -> list[Path]:
@@ -40,14 +40,14 @@ def verify_manifest(folder: str | Path) -> dict:
     """Training reads only what a finished generation wrote: ``manifest.json`` with status complete, every
     shard on disk listed in it, and each listed shard's sha256 equal to the one recorded when it was
     written. Returns the manifest."""
-    from tdlm.fingerprints import check_listed_files
-    from tdlm.generation.store import FORMAT, MANIFEST
+    from tdlm.data.store import FORMAT, MANIFEST
+    from tdlm.models.fingerprints import check_listed_files
 
     d = Path(folder)
     path = d / MANIFEST
     if not path.exists():
         raise TDLMError(f"data.trajectories: {d} has no {MANIFEST}; training reads trajectory folders written by "
-                        f"ray_jobs/generate_trajectories.py (or tdlm.generation.store.write_manifest)")
+                        f"ray_jobs/generate_trajectories.py (or tdlm.data.store.write_manifest)")
     try:
         m = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -1,0 +1,5 @@
+import sys
+
+from tdlm.hub.pretrained import main
+
+sys.exit(main())
