@@ -24,7 +24,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The MBPP sandbox prefers bubblewrap (tdlm.evaluation.sandbox); install Debian's package when we may. Never fails.
 venv: $(STAMP)
+	@if command -v bwrap >/dev/null 2>&1; then echo "bubblewrap: $$(command -v bwrap)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && \
+	     apt-get install -y -qq bubblewrap >/dev/null 2>&1)) && echo "bubblewrap: installed with apt-get" || \
+	    echo "bubblewrap: apt-get install failed; the sandbox uses its in-house namespaces"; \
+	else echo "bubblewrap: not installed (needs root + apt-get); the sandbox uses its in-house namespaces"; fi
 
 test: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q tests

@@ -8,10 +8,11 @@ error) or "skipped" (with the reason); a failing stage never stops the next one.
   16 dispersed layers, one process without ZeRO: ``torch.cuda.max_memory_allocated`` next to
   ``tdlm.training.planner.plan(zero=0)`` (the per-GPU plan of ZeRO-3 on 8 GPUs differs only in the
   partitioned static terms, which are counted, not measured).
-* ``nfe``: one denoiser evaluation at LLaDA-8B shape, batch 1, L 768: the backbone against TDLM (16
-  dispersed layers) with H = 8 and 32 history entries; eager and ``torch.compile`` (per block); the SDPA
-  kernels (flash, memory-efficient, cuDNN, math) and ``flash-attn`` if it is importable. The paper's
-  anchor: 0.585 s for 40.08 NFE on GH200, about 14.6 ms per NFE.
+* ``nfe``: ``tdlm.decode`` as users run it (:func:`stage_nfe`): LLaDA-8B and Dream-7B shape (random bf16
+  weights built on meta, materialised on the GPU), prompt 256 + 64 generated in blocks of 32, batch 1 and a
+  left-padded batch of 8, cache none / dual, eager and compiled (``compile=True``), threshold vs tdlm (the
+  paper's allocation, a live adapter): ms per NFE and the TDLM/backbone ratio. The paper's anchor: 0.585 s
+  for 40.08 NFE on GH200, about 14.6 ms per NFE. Settings beyond ``--nfe-budget`` seconds are skipped.
 * ``deepspeed``: one ZeRO-3 training step through ``deepspeed.initialize`` on a single rank (NCCL), if
   DeepSpeed is importable (its wheels travel in ``.whl/``, see gpu_check.sh).
 
@@ -40,10 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_train_probe import TINY, build_backbone, run_config  # noqa: E402
 
+import tdlm  # noqa: E402
+from tdlm.models.dream import Dream, DreamConfig  # noqa: E402
 from tdlm.models.llada import LLaDAConfig  # noqa: E402
 from tdlm.temporal.model import TDLM, TemporalConfig  # noqa: E402
 from tdlm.training.planner import random_batch  # noqa: E402
+from tdlm.training.planner.measure import init_random_  # noqa: E402
 
+DREAM_TINY = DreamConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=176, vocab_size=512, mask_token_id=2, eos_token_id=1, pad_token_id=0,
+                         torch_dtype="float32")  # fmt: skip
 ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)
 
 
@@ -108,81 +115,102 @@ def _tdlm(ctx: SimpleNamespace) -> TDLM:
     return model.eval()
 
 
+def _dream(dry_run: bool, device: torch.device, dtype: torch.dtype) -> Dream:
+    """Random-init Dream-7B (or a toy Dream): meta build -> cast -> to_empty -> seeded init, as for LLaDA."""
+    cfg = DREAM_TINY if dry_run else DreamConfig()
+    with torch.device("meta"):
+        model = Dream(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    init_random_(model, 1)
+    model.backbone_id = "dream-7b-random" if not dry_run else "dream-tiny-random"
+    return model.freeze()
+
+
+def _live(backbone, dry_run: bool) -> TDLM:
+    """TDLM at the paper's allocation (half the layers, dispersed) with a live adapter (nonzero W_O)."""
+    heads, head_dim = (2, 16) if dry_run else (4, 64)
+    model = TDLM(backbone, TemporalConfig(layers=f"dispersed:{backbone.num_layers // 2}", heads=heads,
+                                          head_dim=head_dim))  # fmt: skip
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for mod in model.temporal.values():
+            w = torch.randn(mod.o_proj.weight.shape, generator=g) * 0.02
+            mod.o_proj.weight.copy_(w.to(mod.o_proj.weight.dtype))
+    return model.eval()
+
+
 def stage_nfe(ctx: SimpleNamespace) -> dict:
-    L, N = (48, 16) if ctx.dry_run else (768, 256)
-    reps, warmup = (2, 1) if ctx.dry_run else (10, 3)
-    bb, device = ctx.backbone, ctx.device
+    """``tdlm.decode`` as users run it: LLaDA-8B and Dream-7B shape (random weights), batch 1 and a left-padded
+    batch of 8, cache none / dual, eager and compiled (``compile=True``; the eager backend in a dry run),
+    threshold vs tdlm (16 / 14 dispersed layers, live adapter). Each setting decodes once untimed (compiles every
+    graph of it: the timed decode excludes compilation) and once timed (wall, CUDA-synchronised). ms per NFE =
+    seconds / the batch's evaluations (a batched evaluation is one forward for all rows), and the TDLM/backbone
+    ratio per setting. Random weights give flat predictions, so threshold commits one token per evaluation and
+    NFE = gen_length: the cost per evaluation is what is measured. Settings run most important first; whatever
+    does not fit the stage's budget (``--nfe-budget``) is recorded as skipped."""
+    P, G, bs = (8, 16, 8) if ctx.dry_run else (256, 64, 32)
+    compile_value = "eager" if ctx.dry_run else True
+    budget = ctx.nfe_budget
+    t_start = time.perf_counter()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[ctx.dtype_name]
+    models = {"llada-8b": ctx.backbone, "dream-7b": _dream(ctx.dry_run, ctx.device, dtype)}
+    tdlms = {name: _live(bb, ctx.dry_run) for name, bb in models.items()}
     g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randint(3, min(bb.vocab_size, 1000), (1, L), generator=g)
-    x[:, L - N:] = bb.mask_token_id
-    x = x.to(device)
-    P = L - N
-    model = _tdlm(ctx)
-    rows: dict = {}
 
-    def backbone_forward():
-        with torch.inference_mode():
-            bb(x)
+    def prompts(bb, batch: int) -> list[list[int]]:
+        rows = torch.randint(3, min(bb.vocab_size, 1000), (batch, P), generator=g).tolist()
+        return [r[: P - (i * P) // (2 * batch)] for i, r in enumerate(rows)]  # left-padded when batch > 1
 
-    def tdlm_at(history: int):
-        def fill():
-            cache = model.new_cache(1)
-            with torch.inference_mode():
-                for _ in range(history):
-                    model.forward_step(x, P, cache)
-            return cache
-
-        caches = [fill() for _ in range(reps + warmup)]
-
-        def step():
-            with torch.inference_mode():
-                model.forward_step(x, P, caches.pop())
-        return step
-
-    def measure(tag: str) -> None:
-        rows[f"{tag}/backbone"] = timed(backbone_forward, device, reps, warmup)
-        for h in (8, 32):
-            rows[f"{tag}/tdlm_H{h}"] = timed(tdlm_at(h), device, reps, warmup)
-
-    measure("eager/sdpa-auto")
-    if ctx.cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        for name, kernel in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                             ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)):
+    settings = []  # most important first: eager batch 1, compiled batch 1, eager batch 8, compiled batch 8
+    for batch, mode in ((1, "eager"), (1, "compiled"), (8, "eager"), (8, "compiled")):
+        for name in models:
+            if ctx.dry_run and mode == "compiled" and (batch > 1 or name != "llada-8b"):
+                continue  # a dry run traces one compiled setting (tests/test_compile.py traces every kind)
+            for cache in ("none",) if ctx.dry_run and mode == "compiled" else ("none", "dual"):
+                settings.append((name, batch, cache, mode))
+    rows, skipped = [], []
+    for name, batch, cache, mode in settings:
+        if budget and time.perf_counter() - t_start > budget:
+            skipped.append(f"{name}/b{batch}/{cache}/{mode}")
+            continue
+        bb, req = models[name], prompts(models[name], batch)
+        row = {"model": name, "batch": batch, "cache": cache, "mode": mode}
+        for policy in ("threshold", "tdlm"):
+            target = tdlms[name] if policy == "tdlm" else bb
+            kw = dict(policy=policy, cache=cache, gen_length=G, block_size=bs, threshold=0.9,
+                      compile=compile_value if mode == "compiled" else False)  # fmt: skip
             try:
-                with sdpa_kernel([kernel]):
-                    rows[f"eager/sdpa-{name}/backbone"] = timed(backbone_forward, device, reps, warmup)
-            except RuntimeError as e:
-                rows[f"eager/sdpa-{name}/backbone"] = f"unavailable: {str(e).splitlines()[0][:160]}"
-    try:
-        import flash_attn  # noqa: F401
-
-        rows["flash_attn_package"] = f"present ({flash_attn.__version__}); tdlm does not call it (README)"
-    except ImportError:
-        rows["flash_attn_package"] = "absent"
-    # torch.compile per block (attend + feed_forward): both the backbone and the TDLM path use it.
-    backend = "eager" if ctx.dry_run else "inductor"
-    saved = [(blk.attend, blk.feed_forward) for blk in bb.blocks]
-    try:
-        for blk in bb.blocks:
-            blk.attend = torch.compile(blk.attend, backend=backend, dynamic=False)
-            blk.feed_forward = torch.compile(blk.feed_forward, backend=backend, dynamic=False)
-        t0 = time.perf_counter()
-        backbone_forward()
-        sync(device)
-        rows["compile_seconds"] = time.perf_counter() - t0
-        measure(f"compiled-{backend}/sdpa-auto")
-    except Exception as e:  # a compile failure is a result, not the end of the check
-        rows["compiled"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    finally:
-        for blk, (a, f) in zip(bb.blocks, saved, strict=True):
-            blk.attend, blk.feed_forward = a, f
-    ms = {k: v * 1000 for k, v in rows.items() if isinstance(v, float) and k != "compile_seconds"}
-    return {"L": L, "response": N, "batch": 1, "ms_per_nfe": ms, "notes": {k: v for k, v in rows.items()
-                                                                         if not isinstance(v, float)},
-            "compile_seconds": rows.get("compile_seconds"), "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
-            "tdlm_layers": model.layer_ids}
+                sync(ctx.device)
+                t0 = time.perf_counter()
+                tdlm.decode(target, req, **kw)  # untimed: compiles / warms up every graph of this setting
+                sync(ctx.device)
+                row[f"{policy}_warmup_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                res = tdlm.decode(target, req, **kw)
+                sync(ctx.device)
+                sec = time.perf_counter() - t0
+                evals = max(r.nfe for r in res)
+                row[f"{policy}_ms_per_nfe"] = 1000 * sec / evals
+                row[f"{policy}_nfe"] = [r.nfe for r in res]
+            except Exception as e:  # a failing setting is a result, not the end of the stage
+                row[f"{policy}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        if "threshold_ms_per_nfe" in row and "tdlm_ms_per_nfe" in row:
+            row["tdlm_over_backbone"] = row["tdlm_ms_per_nfe"] / row["threshold_ms_per_nfe"]
+        rows.append(row)
+        print(f"[gpu_check] nfe {name} b{batch} {cache} {mode}: "
+              f"{row.get('threshold_ms_per_nfe', float('nan')):.2f} / {row.get('tdlm_ms_per_nfe', float('nan')):.2f}"
+              f" ms per NFE (threshold / tdlm)", flush=True)  # fmt: skip
+    for r in rows:  # compiled / eager of the same model, batch and cache
+        eager = next((e for e in rows if e["mode"] == "eager" and (e["model"], e["batch"], e["cache"]) ==
+                      (r["model"], r["batch"], r["cache"])), None)  # fmt: skip
+        for policy in ("threshold", "tdlm"):
+            if r["mode"] == "compiled" and eager and f"{policy}_ms_per_nfe" in r and f"{policy}_ms_per_nfe" in eager:
+                r[f"{policy}_compiled_over_eager"] = r[f"{policy}_ms_per_nfe"] / eager[f"{policy}_ms_per_nfe"]
+    errors = [k for r in rows for k in r if k.endswith("_error")]
+    return {"prompt_len": P, "gen_length": G, "block_size": bs, "threshold": 0.9, "dtype": ctx.dtype_name,
+            "compile": compile_value, "rows": rows, "skipped_for_budget": skipped, "budget_s": budget,
+            "tdlm_layers": {n: m.layer_ids for n, m in tdlms.items()}, "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
+            **({"status": "failed", "error": f"{len(errors)} settings failed: {errors}"} if errors else {})}
 
 
 def stage_deepspeed(ctx: SimpleNamespace) -> dict:
@@ -240,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for gpu_<stage>.json (default: $OUT, else bench/results)")
     ap.add_argument("--dry-run", action="store_true", help="toy size on the CPU: checks every stage's code path")
     ap.add_argument("--stages", default=",".join(STAGES), help="comma list of " + ", ".join(STAGES))
+    ap.add_argument("--nfe-budget", type=float, default=300.0,
+                    help="seconds for the nfe stage's settings; later ones are recorded as skipped (0 = no limit)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     backbone = build_backbone(cfg, device, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], 0)
     ctx = SimpleNamespace(cfg=cfg, device=device, cuda=cuda, dry_run=args.dry_run, dtype_name=dtype_name,
-                          backbone=backbone)
+                          backbone=backbone, nfe_budget=0.0 if args.dry_run else args.nfe_budget)
     info = device_info(device) | {"dry_run": args.dry_run, "backbone_build_s": time.perf_counter() - t0}
     failed = 0
     for name in args.stages.split(","):

@@ -17,14 +17,13 @@ all H history entries at every temporal layer (the worst case of Eq. 8-9 for a g
   vocab 1024, float32, seeded random init (``tdlm.models.loading._init_weights``), with
   ``TemporalConfig()``: ``dispersed:4`` = layers [1, 3, 5, 7], 4 heads x 64, history ``full``.
 
-Cache handling. The cache is filled by H untimed ``forward_step`` calls on the same input. A timed
-TDLM call appends one entry (slot H) and commits; right after it ``cache.n``/``cache.steps`` are set
-back to H, so every timed call retrieves exactly H entries and writes into the same slot. This is
-exact here: the window [0, H) never contains the scratch slot, and ``commit``'s ``valid &= masked``
-is a no-op because every response position is masked (asserted). Storage doubles from 8 entries,
-so at H = 8, 16, 32, 64 the first call after filling reallocates the cache; that call is a warm-up
-(its time is kept as ``tdlm_first_call_ms``) and the table shows the steady-state step. Over a
-decode the doubling costs O(1) entry copies per step, amortised.
+Cache handling. The temporal cache is static (tdlm/temporal/history.py): every evaluation reads all C
+slots of each position and masks the invalid ones. Each row uses history ``last:H`` (C = H slots; on a fully
+masked response the same H entries ``full`` holds after H steps) and fills it with H untimed ``forward_step``
+calls on the same input; a timed call then writes its entry into the position's next ring slot and reads H
+valid entries, so every timed call retrieves exactly H
+entries with no storage change (``commit``'s ``valid &= masked`` is a no-op: every response position is
+masked, asserted). The first call after filling is kept as ``tdlm_first_call_ms``.
 
 Statistics. The machine is shared and noisy, so backbone (A) and TDLM (B) samples alternate
 (AB, BA, AB, ...), after warm-up, under ``torch.inference_mode`` with the garbage collector off and a
@@ -62,7 +61,7 @@ import torch
 from benchlib import build_tdlm, write_result  # bench/ is sys.path[0] when run as a script
 
 import tdlm
-from tdlm.temporal.attention import sink_softmax, temporal_rope
+from tdlm.temporal.attention import rope_rotate
 
 RESULTS_REL = "bench/results/temporal_overhead.json"
 RESULTS = Path(__file__).resolve().parent.parent / RESULTS_REL
@@ -90,20 +89,28 @@ def make_input(model: tdlm.TDLM, seed: int = 0) -> torch.Tensor:
     return ids
 
 
-def fill(model: tdlm.TDLM, ids: torch.Tensor, cache: tdlm.TemporalCache, H: int) -> None:
-    """Untimed forward_steps until the cache holds H entries."""
-    while cache.n < H:
+def filled_cache(model: tdlm.TDLM, ids: torch.Tensor, H: int) -> tdlm.TemporalCache:
+    """A cache of C = H slots per position after H untimed forward_steps: every position holds H valid entries.
+
+    History ``last:H``: its ring of H slots is what ``full`` reads after H evaluations of a fully masked
+    response (the same H entries, the same shapes), without the storage ``full`` reserves for later steps.
+    """
+    model.set_history(f"last:{H}")
+    cache = model.new_cache(BATCH, RESPONSE_LEN)
+    for _ in range(H):
         model.forward_step(ids, PROMPT_LEN, cache)
-    assert cache.n == H and cache.steps == H, f"cache holds {cache.n} entries after {cache.steps} steps; wanted {H}"
+    check_entries(cache, H)
+    return cache
+
+
+def check_entries(cache: tdlm.TemporalCache, H: int) -> None:
+    got = cache.valid_entries()
+    assert got is not None and bool((got == H).all()), f"positions hold {got} entries; wanted {H}"
 
 
 def cache_bytes(cache: tdlm.TemporalCache) -> tuple[int, int]:
-    """(bytes of the H entries in use, bytes allocated including spare capacity)."""
-    used = 0
-    for lh in cache.layers.values():
-        for t in (lh.keys, lh.values, lh.valid):
-            used += t[:, : cache.n].numel() * t.element_size()
-    return used, cache.nbytes()
+    """(bytes of the H entries in use, bytes allocated): equal, the cache holds exactly C = H slots."""
+    return cache.nbytes(), cache.nbytes()
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -136,34 +143,30 @@ def bench_size(size: str, hs: list[int], args: argparse.Namespace) -> tuple[list
     bb = model.backbone
     ids = make_input(model)
     assert bool((ids[:, PROMPT_LEN:] == model.mask_token_id).all()), "the response must be fully masked (docstring)"
-    cache = model.new_cache(BATCH)
-
     # Prop. 1 (W_O = 0 at init): TDLM equals the backbone, so both sides run on the same input.
-    fill(model, ids, cache, 1)
-    assert torch.equal(model.forward_step(ids, PROMPT_LEN, cache), bb(ids)), "TDLM != backbone at W_O = 0"
-    cache.n, cache.steps = 1, 1
+    cache = filled_cache(model, ids, 1)
+    with torch.no_grad():
+        assert torch.equal(model.forward_step(ids, PROMPT_LEN, cache), bb(ids)), "TDLM != backbone at W_O = 0"
 
     def run_backbone() -> None:
         bb(ids)
 
     rows = []
     for H in hs:
-        fill(model, ids, cache, H)
+        cache = filled_cache(model, ids, H)
 
-        def run_tdlm(H: int = H) -> None:
-            model.forward_step(ids, PROMPT_LEN, cache)
-            cache.n, cache.steps = H, H  # drop the entry just written: the next call overwrites slot H
+        def run_tdlm(cache: tdlm.TemporalCache = cache) -> None:
+            model.forward_step(ids, PROMPT_LEN, cache)  # writes the next ring slot, reads H entries
 
         t0 = time.perf_counter()
-        model.forward_step(ids, PROMPT_LEN, cache)  # may grow the storage (H = 8, 16, 32, 64)
+        run_tdlm()
         first_ms = (time.perf_counter() - t0) * 1e3
-        assert cache.n == H + 1, "forward_step did not append exactly one entry"
-        cache.n, cache.steps = H, H
+        check_entries(cache, H)
         wa, wb, _, _ = interleaved(run_backbone, run_tdlm, args.warmup, 1)
         inner = max(1, math.ceil(args.min_sample_ms / 1e3 / min(wa)))
         pairs = max(args.repeats, min(args.max_pairs, int(args.row_seconds / (inner * (min(wa) + min(wb))))))
         ta, tb, ca, cb = interleaved(run_backbone, run_tdlm, pairs, inner)
-        assert cache.n == H, "timed calls changed the cache length"
+        check_entries(cache, H)
         used, alloc = cache_bytes(cache)
         ratio = statistics.median(b / a for a, b in zip(ta, tb, strict=True))
         row = {
@@ -241,46 +244,29 @@ def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> li
 
     Re-issues the calls ``tdlm/temporal/model.py`` makes, on random h; values do not affect CPU time here.
     """
-    layer = model.layer_ids[0]
+    layer = model.layer_ids[-1]
     mod = model.temporal[str(layer)]
-    H = cache.n
     g = torch.Generator().manual_seed(0)
     h = torch.randn(BATCH, PROMPT_LEN + RESPONSE_LEN, model.backbone.hidden_size, generator=g)
     masked = torch.ones(BATCH, RESPONSE_LEN, dtype=torch.bool)
     r = (~masked).sum(-1)
     mcol = masked.unsqueeze(-1)
     hr = h[:, PROMPT_LEN:]
-    q, k, v = mod.project(hr, r[:, None])
-    keys, values, valid = cache.visible(layer)
-    scores = torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5
-    w = sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink)
-    z = torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values)
-    delta = mod.output(z, h) * mcol
-    shape = (*hr.shape[:-1], mod.heads, mod.head_dim)
-    x = hr.to(mod.q_proj.weight.dtype)
-
-    def append() -> None:
-        cache.visible(layer)
-        cache.append(layer, k, v, masked)  # writes scratch slot H; cache.n is unchanged
-
-    def rope_qk() -> None:  # project() rotates q and k
-        rr = r[:, None].expand(shape[:-2])
-        temporal_rope(q, rr, mod.rope_base)
-        temporal_rope(k, rr, mod.rope_base)
+    vis = cache.visible(layer)
+    tables = mod.step_rope(r)
+    qkv = mod.project_qkv(hr)
+    z, k, v = mod.step(hr, r, vis, rope=tables)
 
     def commit_one_layer() -> None:
-        cache.layers[layer].valid[:, :H] &= masked[:, None, :]
+        cache.layers[layer].valid &= masked[:, None, :]
 
     pieces: dict[str, Callable[[], object]] = {
-        "qkv linears (3 x d -> d_t)": lambda: (mod.q_proj(x).view(shape), mod.k_proj(x), mod.v_proj(x)),
-        "temporal_rope q + k (float64 angles)": rope_qk,
-        "project total (linears + rope)": lambda: mod.project(hr, r[:, None]),
-        "cache visible + append": append,
-        "scores einsum q.k": lambda: torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5,
-        "sink_softmax": lambda: sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink),
-        "values einsum w.v": lambda: torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values),
-        "output o_proj * mask": lambda: mod.output(z, h) * mcol,
-        "torch.cat rebuild of h": lambda: torch.cat([h[:, :PROMPT_LEN], hr + delta], 1),
+        "qkv matmul (d -> 3 d_t)": lambda: mod.project_qkv(hr),
+        "rope tables (once per evaluation)": lambda: mod.step_rope(r),
+        "rope q + k (one call)": lambda: rope_rotate(qkv, tables),
+        "step total (matmul + rope + one SDPA)": lambda: mod.step(hr, r, vis, rope=tables),
+        "cache visible + append": lambda: (cache.visible(layer), cache.append(layer, k, v, masked)),
+        "correct: W_O + Eq. 2 in place": lambda: mod.correct(h, PROMPT_LEN, PROMPT_LEN + RESPONSE_LEN, z, mcol),
         "commit valid &= masked": commit_one_layer,
     }
     out = []
@@ -289,11 +275,11 @@ def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> li
             fn()
         ts = [sample(fn, 20)[0] for _ in range(repeats)]
         out.append({"piece": name, "ms_per_layer": statistics.median(ts) * 1e3, "min_ms_per_layer": min(ts) * 1e3})
-    # "project total" already contains the linears and the rope: leave those two out of the sum
-    parts = [r for r in out if not r["piece"].startswith(("qkv linears", "temporal_rope"))]
+    # "step total" already contains the matmul and the rotation; the tables are made once per evaluation
+    parts = [r for r in out if not r["piece"].startswith(("qkv matmul", "rope "))]
     out.append(
         {
-            "piece": "sum (project total + the rest)",
+            "piece": "sum (step total + the rest)",
             "ms_per_layer": sum(r["ms_per_layer"] for r in parts),
             "min_ms_per_layer": sum(r["min_ms_per_layer"] for r in parts),
         }
@@ -305,11 +291,11 @@ def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> li
 
 
 def profile_step(model, ids, cache, run_backbone, run_tdlm, row: dict, args: argparse.Namespace) -> dict:
-    H = cache.n
+    H = row["history"]
     print(f"  profiling medium H={H} ...", file=sys.stderr, flush=True)
     ops = op_diff(run_backbone, run_tdlm, rounds=3 if args.quick else 9)
     pieces = piece_times(model, cache, repeats=5 if args.quick else 15)
-    assert cache.n == H
+    check_entries(cache, H)
     return {
         "history": H,
         "temporal_layers": len(model.layer_ids),
@@ -461,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                 "min_sample_ms": args.min_sample_ms,
                 "quick": args.quick,
                 "statistic": "medians over interleaved A/B samples; ratio = median of per-pair tdlm/backbone",
-                "cache_timing": "steady state: cache.n reset to H after each timed call (no storage growth)",
+                "cache_timing": "steady state: C = H ring slots per position, every timed call reads H entries",
             },
             "configs": configs,
             "target": {**TARGET, "overhead_pct": target_row and target_row["overhead_pct"], "met": met},

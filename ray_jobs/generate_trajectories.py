@@ -12,7 +12,7 @@ Commands (from the repository root, venv active)::
     # a smoke test on the pinned GSM8K *test* copy: evaluation problems, so the flag is required
     # (trajectories from it must not train an adapter that is evaluated on GSM8K)
     python ray_jobs/generate_trajectories.py --backbone tiny-llada \\
-        --prompts ../shared/benchmarks/gsm8k_test.jsonl --allow-eval-prompts --num-prompts 64 \\
+        --prompts data/benchmarks/gsm8k_test.jsonl --allow-eval-prompts --num-prompts 64 \\
         --gen-length 32 --block-size 8 --shard-size 16 --output-dir runs/traj-smoke
 
     # a cluster: start the head (and workers with `ray start --address <head>:6379`), then submit.
@@ -54,100 +54,56 @@ import sys
 
 import datasets
 
-from tdlm.config import from_dict, load_yaml
-from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
+from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
+from tdlm.decoding import CACHE_MODES, POLICIES
 from tdlm.errors import TDLMError
 from tdlm.generation import GenerationConfig, generate
 
+# How the GenerationConfig fields appear on the command line; each flag's help is the field's own comment in
+# tdlm/generation/config.py, so a new field gets a flag without an edit here (tests/test_first_contact.py pins
+# field <-> flag). Only names, choices and groups the fields cannot say themselves are listed.
+MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER = ("model", "prompts", "decoding (tdlm.decode)", "output",
+                                             "cluster (may change when resuming)")
+FLAGS: dict[str, Flag] = {
+    **{k: Flag(group=MODEL) for k in ("backbone", "adapter", "allow_other_backbone")},
+    "dtype": Flag(choices=("float32", "bfloat16", "float16"), group=MODEL),
+    **{k: Flag(group=PROMPTS) for k in ("prompts", "prompt_field", "prompt_config", "prompt_split", "num_prompts",
+                                        "allow_eval_prompts")},
+    "chat": Flag(name="--no-chat", negate=True, group=PROMPTS),
+    "policy": Flag(choices=POLICIES, group=DECODING), "threshold": Flag(name="--tau", group=DECODING),
+    **{k: Flag(group=DECODING) for k in ("entropy_threshold", "gen_length", "block_size", "stop_at_eos", "compile")},
+    "cache": Flag(choices=CACHE_MODES, group=DECODING),
+    **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
+    **{k: Flag(group=CLUSTER) for k in ("batch_size", "actors", "cpus_per_actor", "address", "max_restarts",
+                                        "max_task_retries", "max_shard_attempts", "log_interval")},
+}
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Show a default only where there is one worth showing."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
-def parse_args(argv: list[str] | None = None) -> GenerationConfig:
-    d = GenerationConfig  # defaults live in the dataclass only
-    p = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    # Every flag defaults to None so that a --config file's values survive unless the flag is given; the real
+    # defaults live in GenerationConfig and are shown in the help.
+    p = SuggestingParser(
         description="Decode every prompt once with a frozen backbone on Ray replicas and write "
         "trajectory shards (shard-NNNNN.parquet) + manifest.json. Prompts that are evaluation problems "
         "(GSM8K test, MATH-500, MBPP test, arith held-out) are refused unless --allow-eval-prompts.",
-        formatter_class=_Help,
     )
     p.add_argument("--config", default=None,
-                   help="YAML of GenerationConfig fields (configs/gen_llada_8b.yaml, configs/gen_dream_7b.yaml); "
-                   "flags given on the command line override it")  # fmt: skip
-    g = p.add_argument_group("model")
-    g.add_argument("--backbone", default=None,
-                   help="preset (tiny-llada, tiny-dream) or checkpoint folder (required, here or in --config)")
-    g.add_argument("--adapter", default=None, help="TDLM adapter folder (TDLM.save_adapter); required by --policy tdlm")
-    g.add_argument("--allow-other-backbone", action="store_true",
-                   help="attach the adapter although it was trained on another backbone (refused by default)")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype (default: the checkpoint's torch_dtype)")  # fmt: skip
-    g = p.add_argument_group("prompts")
-    g.add_argument("--prompts", default=None,
-                   help="local .jsonl/.json/.parquet file, or a Hugging Face dataset name (required, here or in "
-                   "--config)")  # fmt: skip
-    g.add_argument("--prompt-field", default=d.prompt_field, help="field / column holding the prompt text")
-    g.add_argument("--prompt-config", default=None, help="dataset config name (Hugging Face datasets)")
-    g.add_argument("--prompt-split", default=d.prompt_split,
-                   help=f"dataset split (Hugging Face datasets; ignored for local files). The default, "
-                   f"{d.prompt_split!r}, keeps teacher prompts out of the splits the evaluator scores")  # fmt: skip
-    g.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
-    g.add_argument("--allow-eval-prompts", action="store_true",
-                   help="allow prompts that are evaluation problems (GSM8K test, MATH-500, MBPP test, arith "
-                   "held-out; matched by source name and by hash of the whitespace-normalised text). "
-                   "Without it such a source is refused; trajectories made with it must not train an adapter "
-                   "that is evaluated on those tasks")  # fmt: skip
-    g.add_argument("--no-chat", dest="chat", action="store_false",
-                   help="feed raw prompt text instead of the tokenizer's chat template")  # fmt: skip
-    g = p.add_argument_group("decoding (tdlm.decode)")
-    g.add_argument("--policy", default=DecodeConfig.policy, choices=POLICIES, help="commit rule")
-    g.add_argument("--tau", dest="threshold", type=float, default=DecodeConfig.threshold,
-                   help="confidence threshold of policies threshold / tdlm")  # fmt: skip
-    g.add_argument("--entropy-threshold", type=float, default=DecodeConfig.entropy_threshold,
-                   help="entropy bound H of policy entropy")  # fmt: skip
-    g.add_argument("--gen-length", type=int, default=DecodeConfig.gen_length, help="response tokens")
-    g.add_argument("--block-size", type=int, default=DecodeConfig.block_size, help="semi-autoregressive block size")
-    g.add_argument("--stop-at-eos", action="store_true", help="stop a row once EOS is committed (paper: off)")
-    g.add_argument("--cache", default=DecodeConfig.cache, choices=CACHE_MODES,
-                   help="spatial KV cache: none, or Fast-dLLM's prefix / dual cache (tdlm/models/kv_cache.py)")
-    g = p.add_argument_group("output")
-    g.add_argument("--output-dir", default=None,
-                   help="shards + manifest.json (absolute under ray job submit; required, here or in --config)")
-    g.add_argument("--shard-size", type=int, default=d.shard_size, help="prompts per shard; shard i = [i*S, (i+1)*S)")
-    g = p.add_argument_group("cluster (may change when resuming)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts per decode call in a replica")
-    g.add_argument("--actors", type=int, default=None,
-                   help="replicas (default: one per GPU; without GPUs one per --cpus-per-actor CPUs)")  # fmt: skip
-    g.add_argument("--cpus-per-actor", type=int, default=d.cpus_per_actor,
-                   help="CPUs (= torch threads on CPU replicas) reserved per replica")  # fmt: skip
-    g.add_argument("--address", default=None,
-                   help="Ray cluster (host:6379 or 'auto'); default: RAY_ADDRESS, else a local cluster")  # fmt: skip
-    g.add_argument("--max-restarts", type=int, default=d.max_restarts, help="Ray restarts of a dead replica")
-    g.add_argument("--max-task-retries", type=int, default=d.max_task_retries,
-                   help="Ray retries of the shard a dead replica held")  # fmt: skip
-    g.add_argument("--max-shard-attempts", type=int, default=d.max_shard_attempts,
-                   help="driver-level attempts per shard once Ray's retries are spent")  # fmt: skip
-    g.add_argument("--log-interval", type=float, default=d.log_interval, help="seconds between progress lines")
-    args = p.parse_args(argv)
-    raw: dict = {}
-    if args.config:
-        raw = load_yaml(args.config)
-        # Only flags actually given override the file: parse again with every default suppressed.
-        for action in p._actions:
-            action.default = argparse.SUPPRESS
-        raw.update({k: v for k, v in vars(p.parse_args(argv)).items() if k != "config"})
-    else:
-        raw = {k: v for k, v in vars(args).items() if k != "config"}
+                   help="YAML of GenerationConfig fields (configs/gen_llada_8b.yaml, configs/gen_dream_7b.yaml, "
+                   "configs/gen_tiny_multi.yaml); flags given on the command line override it")  # fmt: skip
+    add_dataclass_flags(p, GenerationConfig, FLAGS, dict.fromkeys((MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER)))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> GenerationConfig:
+    p = build_parser()
+    args = vars(p.parse_args(argv))
+    path = args.pop("config")
+    raw = load_yaml(path) if path else {}
+    raw.update({k: v for k, v in args.items() if v is not None})
     missing = [f"--{k.replace('_', '-')}" for k in ("backbone", "prompts", "output_dir") if raw.get(k) is None]
     if missing:
         p.error(f"{', '.join(missing)} required (as flags or as fields of --config)")
-    return from_dict(GenerationConfig, raw, args.config or "arguments")
+    return from_dict(GenerationConfig, raw, path or "arguments")
 
 
 def main(argv: list[str] | None = None) -> int:

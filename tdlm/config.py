@@ -6,8 +6,12 @@ fallbacks that swallow typos). Derived values are computed in Python, never in Y
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
+import inspect
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -88,7 +92,9 @@ def from_dict(cls: type[T], raw: dict, where: str = "config") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(raw) - set(fields))
     if unknown:
-        raise TDLMError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        near = difflib.get_close_matches(unknown[0], list(fields), n=1, cutoff=0.5)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise TDLMError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}{hint}")
     values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
     return cls(**values)
 
@@ -161,3 +167,178 @@ def diff_settings(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
+
+
+# -- command lines generated from a dataclass -------------------------------------------------------------
+# A field's help is its own documentation in the source: the comment after it (``x: int = 1  # what x is``), or
+# the comment block right above it when it has none. The dataclasses are already documented that way, so the
+# flags cannot drift from the schema, and no field needs rewriting with ``metadata={"help": ...}``.
+_FIELD_LINE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: doc}`` from the comments in ``cls``'s source (trailing comment, else the comment block above)."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("#").strip())
+            continue
+        m = _FIELD_LINE.match(line)
+        if m and m.group(1) in names and m.group(1) not in docs:
+            doc = (m.group(2) or "").strip() or " ".join(above).strip()
+            docs[m.group(1)] = doc
+        above = []
+    return docs
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse with "did you mean" for an invalid choice and for an unrecognised flag."""
+
+    def _check_value(self, action, value):  # noqa: ANN001 - argparse's own signature
+        if action.choices is not None and value not in action.choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise argparse.ArgumentError(action, f"invalid choice {value!r} (choose from "
+                                                 f"{', '.join(map(str, action.choices))}){hint}")
+        return super()._check_value(action, value)
+
+    def error(self, message: str):  # noqa: ANN201 - argparse's own signature
+        m = re.match(r"unrecognized arguments: (.*)", message)
+        if m:
+            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            parts = []
+            for arg in m.group(1).split():
+                near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                parts.append(f"{arg} (did you mean {near[0]}?)" if near and arg.startswith("-") else arg)
+            message = "unrecognized arguments: " + " ".join(parts)
+        super().error(message)
+
+
+@dataclasses.dataclass
+class Flag:
+    """How one dataclass field appears on the command line (everything optional; the field gives the rest)."""
+
+    name: str | None = None  # default: --field-name
+    choices: tuple | list | None = None
+    metavar: str | None = None
+    group: str | None = None
+    negate: bool = False  # a bool field whose default is True: ``--no-<name>`` stores False
+    extend: bool = False  # a list field that may be given several times (action="extend")
+
+
+def _scalar_type(tp: Any) -> Any:
+    """The argparse ``type`` of a field annotation's scalar part (int, float, str, or a YAML scalar)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return _scalar_type(args[0])
+        return _parse_scalar  # e.g. bool | str: let from_dict decide
+    if origin is list:
+        (item,) = typing.get_args(tp) or (str,)
+        return _scalar_type(item)
+    return tp if tp in (int, float, str) else _parse_scalar
+
+
+def _is_list(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_list(a) for a in typing.get_args(tp))
+    return origin is list
+
+
+def _is_bool(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args == [bool]
+    return tp is bool
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, flags: dict[str, Flag] | None = None,
+                        groups: dict[str, str] | None = None) -> dict[str, str]:
+    """Add one flag per field of dataclass ``cls``, help = the field's doc (:func:`field_docs`) + its default.
+
+    Every flag defaults to None (absent), so values from a config file survive unless a flag is given; the real
+    defaults stay in the dataclass. Bool fields are switches (``store_const True``, or ``--no-x`` storing False
+    with ``Flag(negate=True)``); list fields take ``nargs="+"``. ``groups`` maps a group title to its
+    description; ``Flag.group`` picks one. Returns ``{dest: field}`` for every flag added.
+    """
+    flags = flags or {}
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    made: dict[str, argparse._ActionsContainer] = {}
+    for title in dict.fromkeys([*(groups or {}), *(spec.group for spec in flags.values() if spec.group)]):
+        made[title] = parser.add_argument_group(title, (groups or {}).get(title))  # in the order given
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        spec = flags.get(f.name, Flag())
+        tp = hints[f.name]
+        container: argparse._ActionsContainer = parser
+        if spec.group:
+            if spec.group not in made:
+                made[spec.group] = parser.add_argument_group(spec.group, (groups or {}).get(spec.group))
+            container = made[spec.group]
+        help_text = docs.get(f.name) or f.name.replace("_", " ")
+        if spec.negate:
+            help_text = f"turn off: {help_text}"
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = dataclasses.MISSING
+        if default is dataclasses.MISSING:
+            help_text += " (required)"
+        elif default is not None and not isinstance(default, bool):  # a switch's default is its absence
+            shown = " ".join(map(str, default)) if isinstance(default, list) else default
+            help_text += f" (default: {shown})" if shown != "" else ""
+        name = spec.name or "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%"), "default": None}
+        if _is_bool(tp):
+            kw.update(action="store_const", const=not spec.negate)
+        else:
+            kw["type"] = _scalar_type(tp)
+            if _is_list(tp):
+                kw["nargs"] = "+"
+                if spec.extend:
+                    kw["action"] = "extend"
+            if spec.choices is not None:
+                kw["choices"] = list(spec.choices)
+            if spec.metavar:
+                kw["metavar"] = spec.metavar
+        container.add_argument(name, **kw)
+        out[f.name] = f.name
+    return out
+
+
+def check_override_keys(cls: type, overrides: list[str], where: str | None = None) -> None:
+    """A ``section.key=value`` override whose key is not a field of ``cls`` (nested dataclasses followed) is an
+    error naming the override (or ``where``, e.g. the file the keys came from) and the nearest valid key."""
+    for item in overrides:
+        if "=" not in item:
+            raise TDLMError(f"override {item!r}: expected key=value (e.g. train.max_steps=100)")
+        parts = item.split("=", 1)[0].strip().split(".")
+        node: Any = cls
+        for depth, part in enumerate(parts):
+            if not dataclasses.is_dataclass(node):
+                if where:  # a mapping-valued field of the file: nothing to check below it
+                    break
+                raise TDLMError(f"override {item!r}: {'.'.join(parts[:depth])} is not a section")
+            hints = typing.get_type_hints(node)
+            names = [f.name for f in dataclasses.fields(node)]
+            if part not in names:
+                near = difflib.get_close_matches(part, names, n=1, cutoff=0.5)
+                prefix = ".".join(parts[:depth])
+                full = f"{prefix}.{near[0]}" if prefix and near else (near[0] if near else "")
+                hint = f"; did you mean {full!r}?" if near else f"; valid keys: {', '.join(names)}"
+                who = where or f"override {item!r}"
+                raise TDLMError(f"{who}: unknown key {'.'.join(parts[: depth + 1])!r}{hint}")
+            node = hints[part]

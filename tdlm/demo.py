@@ -22,6 +22,13 @@ The recipe (teacher policy, K, updates, lr, layers, history, tau grid) was chose
 (``scripts/validate_multi_backbone.py``); the test split is read only here. ``DEMO_FAST=1`` runs the same
 stages with fewer prompts, steps and test problems (the test suite).
 
+Rerunning resumes: generation skips finished shards, training continues its run folder with ``--resume`` (a finished
+run has nothing to do; a run killed before its first checkpoint is moved aside and restarted), evaluation skips
+finished shards, the diagnostic is reused when ``diagnostic.json`` was computed for the same adapter and plan, and
+the report is rewritten from the stage outputs. ``TDLM_DEMO_INTERRUPT=<stage>`` (generation, training, evaluation,
+diagnostic, report) stops the demo right after that stage, as an interruption would (exit 130); the test suite uses
+it to interrupt every stage and resume.
+
 The *embedded default* of a training launch without flags (tiny-arith, generated trajectories) lives in
 :mod:`tdlm.data.toy_trajectories`; sweeps and benchmarks build on it.
 """
@@ -242,6 +249,61 @@ def diagnostic_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+STAGES = ("generation", "training", "evaluation", "diagnostic", "report")
+
+
+def interrupt_after(stage: str) -> None:
+    """The test hook: ``TDLM_DEMO_INTERRUPT=<stage>`` ends the demo after ``stage`` as Ctrl-C would."""
+    want = os.environ.get("TDLM_DEMO_INTERRUPT")
+    if want and want not in STAGES:
+        raise TDLMError(f"TDLM_DEMO_INTERRUPT={want!r}: expected one of {', '.join(STAGES)}")
+    if want == stage:
+        print(f"TDLM_DEMO_INTERRUPT={stage}: stopping after the {stage} stage", flush=True)
+        sys.exit(130)
+
+
+def free_port() -> int:
+    """A free local TCP port for the training launch: DeepSpeed's default 29500 is taken by any other training
+    on the machine, and the launch then dies with EADDRINUSE."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def training_resume_args(train_dir: Path) -> list[str]:
+    """``--resume`` when ``train_dir`` holds a run that can continue (or is finished); a run that stopped before
+    its first verified checkpoint cannot, so its folder is moved aside and training starts over."""
+    from tdlm.training.run_dir import RUN_FILES, finished_step, newest_verified_tag
+
+    if not any((train_dir / name).exists() for name in RUN_FILES):
+        return []
+    if (train_dir / "run_config.json").exists():
+        if finished_step(train_dir) is not None:
+            return ["--resume"]
+        try:
+            newest_verified_tag(train_dir / "checkpoints")
+            return ["--resume"]
+        except TDLMError:
+            pass
+    dest = train_dir.with_name(f"{train_dir.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(train_dir, dest)
+    print(f"{train_dir} stopped before its first checkpoint: moved to {dest}; training starts over", flush=True)
+    return []
+
+
+def cached_diagnostic(path: Path, adapter: Path, plan: DemoPlan) -> tuple[dict, list[dict] | None]:
+    """(key, rows) where rows come from ``path`` when it was computed for this adapter file and plan."""
+    key = {"adapter_sha256": hashlib.sha256((adapter / "adapter.safetensors").read_bytes()).hexdigest(),
+           "problems": plan.diagnostic_problems, "tau": BASELINE_TAU, "block_size": plan.block_size}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return key, None
+    return key, (saved.get("rows") if saved.get("key") == key else None)
+
+
 def demo_stamp(mode: str) -> dict:
     """What the demo's stage folders depend on: a rerun with the same stamp resumes them."""
     digest = {name: hashlib.sha256((REPO / name).read_bytes()).hexdigest()
@@ -282,6 +344,7 @@ def main() -> int:
     py = sys.executable
     env = os.environ.copy()
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores: more threads per process only contend
+    env.setdefault("MKL_CBWR", "AUTO,STRICT")  # run-to-run bit-identical MKL kernels (launcher/train.py says why)
     env.setdefault("WANDB_MODE", "offline")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     env.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -291,6 +354,7 @@ def main() -> int:
 
     backbone_dir = _resolve_folder(DEMO_BACKBONE)
     mode = "fast" if os.environ.get("DEMO_FAST") == "1" else "full"
+    interrupt_after("")  # a misspelt TDLM_DEMO_INTERRUPT fails now, not after the stages ran to the end
     set_aside_other_demo(out, mode)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
@@ -306,16 +370,20 @@ def main() -> int:
           "--output-dir", str(traj)],
          logs / "1_generate.log", env)
     stage_s["generation"] = time.time() - t0
+    interrupt_after("generation")
 
     train_dir = out / "train"
     deepspeed = str(Path(py).parent / "deepspeed")
     t0 = time.time()
     steps = [] if plan.train_steps is None else [
         "--max-steps", str(plan.train_steps), f"train.save_every={max(1, plan.train_steps // 2)}"]
-    _run([deepspeed, "--num_gpus", "2", "launcher/train.py", "--ds", "ds_configs/zero3.json",
-          "--config", DEMO_TRAIN_CONFIG, "--output-dir", str(train_dir), *steps, f"data.trajectories={traj}"],
+    _run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), "launcher/train.py", "--ds",
+          "ds_configs/zero3.json",
+          "--config", DEMO_TRAIN_CONFIG, "--output-dir", str(train_dir), *steps, f"data.trajectories={traj}",
+          *training_resume_args(train_dir)],
          logs / "2_train.log", env)
     stage_s["training"] = time.time() - t0
+    interrupt_after("training")
 
     ev = out / "eval"
     t0 = time.time()
@@ -327,10 +395,20 @@ def main() -> int:
           "--group", "demo"],
          logs / "3_eval.log", env)
     stage_s["evaluation"] = time.time() - t0
+    interrupt_after("evaluation")
 
     t0 = time.time()
-    diagnostic = run_diagnostic(train_dir / "adapter", plan)
+    diag_path = out / "diagnostic.json"
+    diag_key, diagnostic = cached_diagnostic(diag_path, train_dir / "adapter", plan)
+    if diagnostic is None:
+        diagnostic = run_diagnostic(train_dir / "adapter", plan)
+        tmp = diag_path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": diag_key, "rows": diagnostic}, indent=2) + "\n")
+        os.replace(tmp, diag_path)  # whole or absent: an interruption never leaves half a diagnostic
+    else:
+        print(f"diagnostic: reusing {diag_path} (same adapter and plan)", flush=True)
     stage_s["diagnostic"] = time.time() - t0
+    interrupt_after("diagnostic")
 
     summary = json.loads((ev / "summary.json").read_text())
     runs = [r for r in summary["runs"] if r["task"] == DEMO_TASK]
@@ -374,6 +452,7 @@ its commit).
 Plots: {', '.join(p.name for p in plots) or 'none'}
 """
     (out / "report.md").write_text(report)
+    interrupt_after("report")  # report.md written, report.json and the plot copies not yet
     (out / "report.json").write_text(json.dumps(
         {"verdict": verdict, **facts, "runs": [{k: r[k] for k in ("policy", "threshold", "n", "accuracy",
                                                                     "accuracy_se", "nfe_mean")} for r in runs],

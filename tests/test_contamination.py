@@ -26,11 +26,12 @@ from tdlm.data.trajectories import TrajectoryRecord, write_parquet
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardTask, ShardWorker, WorkerSpec
 from tdlm.generation.driver import prepare
+from tdlm.tasks.base import default_data_dir
 from tdlm.tasks.toydata import TEST_SIZE, split
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "ray_jobs" / "generate_trajectories.py"
-BENCH = REPO.parent / "shared" / "benchmarks"
+BENCH = default_data_dir()
 needs_data = pytest.mark.skipif(not (BENCH / "gsm8k_test.jsonl").exists(), reason=f"benchmarks not in {BENCH}")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -199,7 +200,7 @@ def test_arith_held_out_split_refused_by_content(tmp_path):
 
 
 # -- manifest ---------------------------------------------------------------------------------------
-@needs_data  # the check compares with the evaluation splits, read from ../shared/benchmarks
+@needs_data  # the check compares with the evaluation splits, read from the benchmark copies
 def test_manifest_records_source_split_and_hashes(tmp_path, monkeypatch):
     """A Hugging Face-style source (a local dataset folder, loaded by datasets) with the default split."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -182,3 +182,41 @@ def test_demo_recipe_configs_agree_with_each_other():
     assert gen.backbone == run.model.backbone == DEMO_BACKBONE
     assert gen.output_dir == run.data.trajectories
     assert gen.gen_length == gen.block_size == MULTI_GEN_LENGTH and gen.dtype == "float32"
+
+
+@pytest.mark.slow
+def test_demo_fast_resumes_after_an_interruption_at_every_stage(tmp_path):
+    """Stop the demo after each stage in turn (TDLM_DEMO_INTERRUPT), rerun it each time: it finishes, and a further
+    rerun gives the same report (frontier rows, verdict, diagnostic) without redoing any stage."""
+    from tdlm.demo import STAGES
+
+    base = os.environ | {"DEMO_FAST": "1", "DEMO_DIR": str(tmp_path / "demo"), "OMP_NUM_THREADS": "1",
+                         "WANDB_MODE": "offline", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    out = tmp_path / "demo"
+    outputs = {"generation": out / "trajectories" / "manifest.json", "training": out / "train" / "summary.json",
+               "evaluation": out / "eval" / "summary.json", "diagnostic": out / "diagnostic.json",
+               "report": out / "report.md"}
+    for stage in STAGES:
+        proc = subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base | {"TDLM_DEMO_INTERRUPT": stage},
+                              capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 130, f"{stage}: " + proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"stopping after the {stage} stage" in proc.stdout and outputs[stage].exists(), stage
+        later = STAGES[STAGES.index(stage) + 1:]
+        assert not any(outputs[s].exists() for s in later if s != "report"), (stage, later)
+    assert not (out / "report.json").exists()  # the last interruption came between report.md and report.json
+    proc = subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "diagnostic: reusing" in proc.stdout and "moved to" not in proc.stdout
+    first = json.loads((out / "report.json").read_text())
+    proc = subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base, capture_output=True, text=True,
+                          timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((out / "report.json").read_text())
+    for key in ("verdict", "runs", "diagnostic", "target_met"):
+        assert again[key] == first[key], key
+    assert json.loads((out / "train" / "summary.json").read_text())["steps"] == 8
+    assert not list(tmp_path.glob("demo.previous-*")) and not list(out.glob("train.interrupted-*"))
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base | {"TDLM_DEMO_INTERRUPT": "trainig"},
+                       capture_output=True, text=True, timeout=600, check=True)

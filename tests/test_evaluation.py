@@ -25,9 +25,10 @@ from tdlm.evaluation import EvalConfig, IncompleteResults, compute_speedups, eva
 from tdlm.evaluation.metrics import aggregate
 from tdlm.evaluation.records import Appender, merge, read_records, repair, shard_path
 from tdlm.evaluation.report import load_runs
+from tdlm.tasks.base import default_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "benchmarks"
+DATA = default_data_dir()
 RUN = REPO / "eval" / "run.py"
 COMPARE = REPO / "eval" / "compare.py"
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

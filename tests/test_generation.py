@@ -40,10 +40,11 @@ from tdlm.generation.worker import (
     KILL_ENV,
     FaultInjection,
 )
+from tdlm.tasks.base import default_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "ray_jobs" / "generate_trajectories.py"
-GSM8K = REPO.parent / "shared" / "benchmarks" / "gsm8k_test.jsonl"
+GSM8K = default_data_dir() / "gsm8k_test.jsonl"
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 N_PROMPTS, SHARD = 8, 3  # 3 shards: [0, 3), [3, 6), [6, 8)
 

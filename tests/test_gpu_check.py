@@ -23,9 +23,13 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     assert [r["layers"] for r in train["rows"]] == ["all", "dispersed:4"]
     for row in train["rows"]:  # measured peak of real steps next to the plan
         assert row["status"] == "ok" and 0.75 <= row["ratio"] <= 1.25, row
-    nfe = stages["gpu_nfe_dryrun.json"]["ms_per_nfe"]
-    for tag in ("eager/sdpa-auto", "compiled-eager/sdpa-auto"):
-        assert {f"{tag}/backbone", f"{tag}/tdlm_H8", f"{tag}/tdlm_H32"} <= set(nfe), sorted(nfe)
+    nfe = stages["gpu_nfe_dryrun.json"]["rows"]  # tdlm.decode: both models, batch 1 / 8, caches, eager / compiled
+    settings = {(r["model"], r["batch"], r["cache"], r["mode"]) for r in nfe}
+    assert {(m, b, c, "eager") for m in ("llada-8b", "dream-7b") for b in (1, 8) for c in ("none", "dual")} <= settings
+    assert ("llada-8b", 1, "none", "compiled") in settings
+    for r in nfe:
+        assert r["tdlm_over_backbone"] > 0 and r["threshold_nfe"] == r["tdlm_nfe"], r
+        assert len(r["tdlm_nfe"]) == r["batch"]
     ds = stages["gpu_deepspeed_dryrun.json"]
     assert ds["zero_stage"] == 3 and len(ds["losses"]) == 3 and all(x == x for x in ds["losses"])
 

@@ -5,6 +5,7 @@ the shipped offline task files. The harness's numbers must be tdlm's own: the sa
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from tdlm.tasks import load_task
 from tests.conftest import randomize_temporal
 
 REPO = Path(__file__).resolve().parents[1]
-ARGS = "backbone=tiny-arith,policy=tdlm,threshold=0.9,gen_length=40,block_size=40,dtype=float32"
+ARGS = "pretrained=tiny-arith,policy=tdlm,threshold=0.9,gen_length=40,block_size=40,dtype=float32"
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,12 @@ def test_harness_serves_generate_until_through_tdlm_decode(adapter, one_thread):
     assert stats["requests"] == n
     assert stats["nfe_mean"] == pytest.approx(sum(r.nfe for r in ref) / n)
     assert out["config"]["tdlm"]["policy"] == "tdlm" and out["config"]["tdlm"]["adapter"] == str(adapter)
+    # NFE is a metric of the task: its mean equals tdlm's own count, with a standard error, per request
+    nfe = [r.nfe for r in ref]
+    assert out["results"]["tdlm_arith"]["nfe,none"] == pytest.approx(sum(nfe) / n)
+    assert out["results"]["tdlm_arith"]["nfe_stderr,none"] == pytest.approx(statistics.stdev(nfe) / n ** 0.5)
+    assert [s["nfe"] for s in samples] == nfe
+    assert out["config"]["tdlm"]["device"] == "cpu"
 
 
 def test_chat_template_stop_sequences_and_refusals(adapter, one_thread):
@@ -67,7 +74,7 @@ def test_chat_template_stop_sequences_and_refusals(adapter, one_thread):
 
     from tdlm.harness import TDLMHarnessLM
 
-    lm = TDLMHarnessLM(backbone="tiny-arith", adapter=str(adapter), gen_length=40, block_size=40, dtype="float32",
+    lm = TDLMHarnessLM(pretrained="tiny-arith", adapter=str(adapter), gen_length=40, block_size=40, dtype="float32",
                        batch_size=2)
     problems, ref = _reference(adapter, 2)
 
@@ -89,7 +96,7 @@ def test_chat_template_stop_sequences_and_refusals(adapter, one_thread):
         lm.generate_until([req("1+1=?", do_sample=True, temperature=0.7)])
     with pytest.raises(tdlm.TDLMError, match="generate_until tasks only"):
         lm.loglikelihood([Instance("loglikelihood", doc={}, arguments=("1+1=", "2"), idx=0)])
-    with pytest.raises(tdlm.TDLMError, match=r"--model_args: unknown key\(s\) \['layers'\]"):
+    with pytest.raises(tdlm.TDLMError, match=r"--model_args: unknown key 'layers'"):
         TDLMHarnessLM(backbone="tiny-arith", layers="all")
     with pytest.raises(tdlm.TDLMError, match="policy=tdlm needs adapter="):
         TDLMHarnessLM(backbone="tiny-arith", policy="tdlm")
@@ -118,13 +125,62 @@ def test_shipped_tasks_read_the_local_benchmark_copies(monkeypatch):
 @pytest.mark.slow
 def test_python_m_tdlm_harness_cli(adapter, tmp_path):
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    args = ARGS.replace("pretrained=", "backbone=")  # the alias: still a folder named after the backbone
     proc = subprocess.run([sys.executable, "-m", "tdlm.harness", "--model", "tdlm", "--model_args",
-                           f"{ARGS},adapter={adapter}", "--tasks", "tdlm_arith", "--limit", "4", "--batch_size", "2",
+                           f"{args},adapter={adapter}", "--tasks", "tdlm_arith", "--limit", "4", "--batch_size", "2",
                            "--output_path", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (result,) = list((tmp_path / "out").glob("*/results_*.json"))
+    assert result.parent.name == "tiny-arith"
     data = json.loads(result.read_text())
     assert data["results"]["tdlm_arith"]["sample_len"] == 4
+    assert data["results"]["tdlm_arith"]["nfe,none"] > 0 and "nfe_stderr,none" in data["results"]["tdlm_arith"]
+    assert data["config"]["device"] == "cpu" and data["config"]["tdlm"]["device"] == "cpu"
+    assert any("|nfe" in line.replace(" ", "") for line in proc.stdout.splitlines()), proc.stdout[-2000:]
     assert data["config"]["tdlm"]["decode_stats"]["tdlm_arith"]["requests"] == 4
     assert "mean NFE" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--model_args", "pretrained=tiny-arith,threshlod=0.9"], r"unknown key 'threshlod'; did you mean 'threshold'\?"),
+    (["--model_args", "pretrained=tiny-arith,threshold=1.5"], r"threshold=1.5: expected a confidence in \[0, 1\]"),
+    (["--model_args", "pretrained=tiny-arith,entropy_threshold=0"],
+     r"entropy_threshold=0(\.0)?: expected an entropy > 0"),
+    (["--model_args", "pretrained=tiny-arith,gen_length=0"], r"gen_length=0: expected an integer >= 1"),
+    (["--model_args", "policy=threshold"], r"pretrained=<backbone> is required"),
+    (["--model_args", "pretrained=tiny-arith,backbone=tiny-arith"], r"give the backbone once"),
+    (["--model_args", "pretrained=tiny-arith", "--limit", "-3"], r"--limit -3: expected a positive number"),
+    (["--model_args", "pretrained=tiny-arith", "--limit=2.5"], r"--limit 2.5: expected a positive number"),
+    (["--model_args", "pretrained=tiny-arith", "--limit", "many"], r"--limit 'many': expected a positive number"),
+])
+def test_cli_mistakes_are_one_line(argv, pattern, capsys):
+    from tdlm.harness.__main__ import main
+
+    rc = main(["--model", "tdlm", "--tasks", "tdlm_arith", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert __import__("re").search(pattern, lines[0]), lines[0]
+
+
+def test_cli_unknown_task_is_one_line_with_nearest(capsys):
+    from tdlm.harness.__main__ import main
+
+    rc = main(["--model", "tdlm", "--model_args", "pretrained=tiny-arith", "--tasks", "tdlm_arihm", "--limit", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    last = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert last and "unknown task 'tdlm_arihm' (did you mean 'tdlm_arith'?)" in last[0], err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_cli_rewrites_the_alias_and_records_the_real_device():
+    from tdlm.harness.__main__ import prepare
+
+    out = prepare(["--model", "tdlm", "--model_args", "backbone=tiny-arith,threshold=0.8", "--device", "cuda:0"])
+    assert out[out.index("--model_args") + 1] == "pretrained=tiny-arith,threshold=0.8"
+    assert out[out.index("--device") + 1] == ("cuda:0" if __import__("torch").cuda.is_available() else "cpu")
+    out = prepare(["--model=tdlm", "--model_args=pretrained=tiny-arith"])
+    assert out[-2:] == ["--device", "cuda" if __import__("torch").cuda.is_available() else "cpu"]

@@ -288,8 +288,8 @@ def test_lm_head_runs_only_on_the_active_block(mode, monkeypatch):
 
         monkeypatch.setattr(bb, "project", counted)
         res = decode(bb, PROMPTS, policy="threshold", threshold=TAU, cache=mode, **KW)
-        assert rows_seen and all(len(s) == 1 and s[0] % 8 == 0 for s in rows_seen)  # (b_g x block) rows only
-        assert sum(s[0] for s in rows_seen) == 8 * sum(r.nfe for r in res)
+        assert rows_seen and all(len(s) == 2 and s[1] == 8 for s in rows_seen)  # (b_g, block) rows only
+        assert sum(s[0] * s[1] for s in rows_seen) == 8 * sum(r.nfe for r in res)
 
 
 # -- 4. bad input -----------------------------------------------------------------------------------------------
@@ -355,3 +355,39 @@ def test_cached_runs_are_rows_labelled_with_their_cache(tmp_path):
     table = render(rows).split("## All runs")[0]
     assert all(f"| {label} |" in table for label in labels)
     assert len({family(r) for r in rows}) == 6  # one Pareto line per method and cache
+
+
+# -- 5. last:k is per position in every cache mode (issue 21, item 6) ---------------------------------------------
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_last_k_keeps_k_usable_entries_per_position_with_and_without_the_dual_cache(name, k, monkeypatch):
+    """What the first evaluation of block b >= k reads: every masked position holds exactly k usable entries,
+    with cache none and with the dual cache. Under the dual cache a window step does not compute the positions
+    outside the block; they keep their own k most recent evaluations (a ring per position: the refreshes of
+    the blocks before), so the restriction of Table 2 means the same thing in both modes. A ring shared by all
+    positions leaves them 0 entries at the refresh after a dual window step (the issue's 0 against 8)."""
+    from tdlm.temporal.history import TemporalCache
+
+    bb = sharp_backbone(name)
+    model = live_tdlm(bb, history=f"last:{k}")
+    G, bs = 32, 8
+    counts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    commit = TemporalCache.commit
+
+    def recording(self, masked, written=None):
+        commit(self, masked, written)
+        counts[mode].append((masked[0].clone(), self.valid_entries()[0].clone()))
+
+    monkeypatch.setattr(TemporalCache, "commit", recording)
+    for mode in ("none", "dual"):
+        counts[mode] = []
+        decode(model, [PROMPTS[0]], policy="tdlm", threshold=0.95, cache=mode, gen_length=G, block_size=bs)
+    for mode, steps in counts.items():
+        checked, prev_block = 0, 0
+        for (_, usable), (masked, _) in zip(steps, steps[1:], strict=False):  # state read by the next evaluation
+            block = int(masked.int().argmax()) // bs
+            if block != prev_block and block >= k:  # a block's first evaluation (the refresh under dual)
+                assert torch.equal(usable[masked], torch.full_like(usable[masked], k)), (mode, block, usable)
+                checked += 1
+            prev_block = block
+        assert checked >= 2, (mode, checked)

@@ -113,8 +113,9 @@ def test_formulas_match_saved_tensors(family, dtype):
         "ffn:1": T * bc.ffn_saved(e),  # the lowest temporal layer: input without grad, no attention terms
         "ffn:2": T * bc.ffn_saved(e),
         "ffn:3": T * bc.ffn_saved(e),
-        "temporal:1": TN * (tc.saved_per_token(e) + tc.history_per_token(e)) + B * N * tc.saved_per_position(K, e),
-        "temporal:2": TN * (tc.saved_per_token(e) + tc.history_per_token(e)) + B * N * tc.saved_per_position(K, e),
+        **{f"temporal:{i}": TN * tc.saved_per_token(e) + B * N * (tc.history_per_position(K, e)
+                                                                + tc.saved_per_position(K, e))
+           + B * K * tc.tables_per_state(e) for i in (1, 2)},
         "head": batch.num_targets * bc.head_saved(gathered=True),  # the LM head runs at the S supervised rows only
     }
     assert set(got) == set(want), f"components saved: {sorted(got)}"
@@ -391,7 +392,7 @@ def test_supervised_head_removes_the_logits_from_the_target_shape_peak():
     assert full.peak_phase == "head backward" and full.logits > 5 * GiB
     assert sup.logits == 0 and sup.peak_phase == "block backward (recompute)"
     assert sup.phases["head backward"] < 0.5 * full.phases["head backward"]
-    # The whole peak falls by a third; what is left is the top block's recomputation (README).
+    # The whole peak falls by a third; what is left is the top block's recomputation (docs/training.md).
     assert sup.total <= 0.70 * full.total, (sup.total / GiB, full.total / GiB)
 
 

@@ -1,4 +1,4 @@
-"""The paper's 8B / 7B recipes: config files, their true-shape adapters, and the README / --help commands."""
+"""The paper's 8B / 7B recipes: config files, their true-shape adapters, and the README / docs / --help commands."""
 
 from __future__ import annotations
 
@@ -82,16 +82,20 @@ def test_evaluation_recipes():
         assert set(cfg.tasks) == {"gsm8k", "math500", "mbpp"}
 
 
+def doc_texts() -> str:
+    """README.md and every docs/*.md page: the commands and file names the user reads."""
+    return "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+
+
 def _commands(text: str) -> list[str]:
     """Shell commands in text, continuation lines joined."""
     return [c.strip() for c in re.sub(r"\\\n\s*", " ", text).splitlines()]
 
 
 def test_readme_training_commands_resolve_to_the_recipes(monkeypatch):
-    monkeypatch.chdir(REPO)  # the README runs from the repository root
-    readme = (REPO / "README.md").read_text()
+    monkeypatch.chdir(REPO)  # the README and docs run from the repository root
     found = {}
-    for line in _commands(readme):
+    for line in _commands(doc_texts()):
         if "launcher/train.py" in line and ("llada_8b" in line or "dream_7b" in line) and line.startswith("deepspeed"):
             argv = shlex.split(line)
             launch = parse_launch(argv[argv.index("launcher/train.py") + 1:])
@@ -101,8 +105,8 @@ def test_readme_training_commands_resolve_to_the_recipes(monkeypatch):
         assert run.model.backbone == RECIPES[path][0] and run.train.max_steps == 750
 
 
-def test_every_config_named_in_readme_and_help_exists():
-    texts = [(REPO / "README.md").read_text(),
+def test_every_config_named_in_readme_docs_and_help_exists():
+    texts = [doc_texts(),
              subprocess.run([sys.executable, str(REPO / "launcher/train.py"), "--help"], capture_output=True,
                             text=True, check=True).stdout,
              subprocess.run([sys.executable, str(REPO / "ray_jobs/generate_trajectories.py"), "--help"],

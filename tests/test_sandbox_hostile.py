@@ -1,33 +1,26 @@
-"""The MBPP sandbox (tdlm.evaluation.sandbox) against real and hostile programs.
+"""The MBPP sandbox (tdlm.evaluation.sandbox) against hostile samples, in the setting this process runs in (root
+here): every category of issue 22, each with at least two samples written for it, through both backends
+(bubblewrap and the in-house namespaces) and, for the limits, both mechanisms (a cgroup, and the fallback of one
+process without fork).
 
-* every canonical MBPP sanitized solution (test_imports + code + test_list) passes, and solutions mutated to
-  ``return None`` fail, through :func:`tdlm.evaluation.scoring.score_code` as the evaluator calls it;
-* hostile programs are contained, reported as a failure within their time limit, and leave the host as it was:
-  infinite loops, a fork bomb, a memory bomb, writing / deleting outside the sandbox's temp dir, sockets to a
-  port of this test process, killing the parent, printing gigabytes;
-* a wrong solution never passes by ending the run early with status 0 (sys.exit, os._exit, SystemExit, exiting
-  hooks, killing the parent) or by tampering (rebinding AssertionError, patching builtins, printing or writing
-  guessed tokens, scanning the process for the completion token); correct solutions that rebind builtins still
-  pass. (Filesystem / IPC / /proc isolation: test_sandbox_filesystem.py.)
+Each hostile sample is phrased as an MBPP task whose assert holds *only if the attack worked*: it returns the
+secret it managed to read, True if it got more memory / CPU / tasks than allowed, the value another sample left
+behind, and so on. So ``passed`` means a breach, and every sample must score as not passed. A few attacks also
+get a host-side check (no daemon left, a short result excerpt). :data:`CATALOGUE` is shared with
+tests/test_sandbox_settings.py, which replays it as an unprivileged user (with and without user namespaces).
 
-Two configurations: ``default`` is ``SandboxLimits()`` with this interpreter, what
-:class:`tdlm.evaluation.scoring.Scorer`
-uses; ``nobody`` (root only) is an interpreter the sandbox can run as uid 65534 (a venv under a 0700 ``/root``
-cannot be; the system python can), where the uid drop protects the filesystem and makes ``RLIMIT_NPROC``
-binding. A protection the sandbox reports as unavailable (``network_isolated`` / ``pid_isolated`` /
-``privileges_dropped`` False) is an expected failure with the reason spelled out, never a silent pass.
+Also here: every canonical MBPP solution passes (and mutated ones fail) through ``score_code``, as the evaluator
+calls it.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import os
+import secrets
 import shutil
-import signal
 import socket
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,67 +29,490 @@ from pathlib import Path
 
 import pytest
 
-from tdlm.evaluation import sandbox
 from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python
 from tdlm.evaluation.scoring import score_code
+from tdlm.tasks.base import default_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "benchmarks"
-HOSTILE = SandboxLimits(timeout_s=2.0)  # the Scorer's defaults, with a short wall clock
-SLACK_S = 3.0  # kill + reap + temp-dir removal on a loaded 2-core machine
+DATA = default_data_dir()
+MBPP_FILE = DATA / "mbpp_sanitized_test.jsonl"
+HOSTILE = dict(timeout_s=15.0, cpu_s=3)
+BACKENDS = ["bwrap", "inhouse"]
 
-
-def _nobody_python() -> str | None:
-    """An interpreter the sandbox runs as nobody (root only): this one, else the system python."""
-    if os.geteuid() != 0:
-        return None
-    for p in (sys.executable, shutil.which("python3"), "/usr/bin/python3"):
-        if p and sandbox._can_drop_to_nobody(p):
-            return p
+# ------------------------------------------------------------------------------------------ the catalogue
+# (category, name, code, asserts, limits overrides, code of a sample run just before, for state between samples)
+# Placeholders __NAME__ are filled from the host fixture (:func:`host_fixture`).
+CATALOGUE: list[dict] = [
+    # -- 1. passes without solving: the task is f(x) == 2 * x; every sample returns something else and cheats
+    dict(cat="verdict", name="gc_clears_the_tests", code="""
+import gc
+def f(x):
+    for o in gc.get_objects():
+        if isinstance(o, list) and o and all(isinstance(c, type(f.__code__)) for c in o):
+            o.clear()
+    return 0
+f(0)
+""", tests=["assert f(3) == 6", "assert f(4) == 8"]),
+    dict(cat="verdict", name="frame_edit_of_the_caller", code="""
+import sys
+def f(x):
+    fr = sys._getframe(1)
+    while fr is not None:
+        for k, v in list(fr.f_locals.items()):
+            if isinstance(v, list):
+                v[:] = []
+        fr = fr.f_back
+    return -1
+""", tests=["assert f(3) == 6"]),
+    dict(cat="verdict", name="settrace_skips_checks", code="""
+import sys
+def tracer(frame, event, arg):
+    if event == "line" and "call" in frame.f_code.co_filename:
+        raise SystemExit(0)
+    return tracer
+sys.settrace(tracer)
+def f(x):
+    return 0
+""", tests=["assert f(3) == 6"]),
+    dict(cat="verdict", name="always_equal_object", code="""
+class E:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    __hash__ = object.__hash__
+def f(x):
+    return E()
+""", tests=["assert f(3) == 6", "assert f(4) == 8"]),
+    dict(cat="verdict", name="int_subclass_always_equal", code="""
+class I(int):
+    def __eq__(self, other): return True
+def f(x):
+    return I(0)
+""", tests=["assert f(3) == 6"]),
+    dict(cat="verdict", name="rebinding_set", code="""
+import builtins
+builtins.set = lambda *a: 1
+set = lambda *a: 1
+def f(x):
+    return [0]
+""", tests=["assert set(f(3)) == set((6,))"]),
+    dict(cat="verdict", name="patching_math_isclose", code="""
+import math
+math.isclose = lambda *a, **k: True
+def f(x):
+    return 0.0
+""", tests=["assert math.isclose(f(3), 6.0, rel_tol=0.001)"], test_imports=["import math"]),
+    dict(cat="verdict", name="early_exit_status_0", code="""
+import os, sys, atexit
+atexit.register(lambda: os._exit(0))
+def f(x):
+    sys.exit(0)
+""", tests=["assert f(3) == 6"]),
+    dict(cat="verdict", name="reference_solution_from_disk", code="""
+import json
+def remove_Occ(s, ch):
     return None
-
-
-@pytest.fixture(scope="module")
-def support() -> dict[str, bool]:
-    return isolation_support()
-
-
-@pytest.fixture(scope="module", params=["default", "nobody"])
-def limits(request) -> SandboxLimits:
-    if request.param == "default":
-        return HOSTILE
-    py = _nobody_python()
-    if py is None:
-        pytest.skip("not root, or no interpreter here runs identically as nobody: no uid drop to test")
-    return replace(HOSTILE, python=py)
-
-
-def _nprocs() -> int:
-    return sum(1 for p in os.listdir("/proc") if p.isdigit())
-
-
-def _tasks_of(uid: int) -> int:
-    """Processes + threads owned by ``uid`` (what RLIMIT_NPROC counts)."""
-    n = 0
+for path in ["__MBPP__", "/work/shared/benchmarks/mbpp_sanitized_test.jsonl"]:
+    try:
+        for line in open(path):
+            rec = json.loads(line)
+            if rec["task_id"] == 11:
+                exec(rec["code"])
+    except OSError:
+        pass
+""", tests=['assert remove_Occ("hello","l") == "heo"', 'assert remove_Occ("abcda","a") == "bcd"']),
+    # -- 2. things to read: each returns what it read; the assert holds only if it read the secret
+    dict(cat="read", name="home_token_file", code="""
+def f():
+    for p in ["__HOME__/.netrc", "__HOME__/.cache/huggingface/token"]:
+        try:
+            return open(p).read().strip()
+        except OSError:
+            pass
+    return None
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="read", name="earlier_samples_jsonl", code="""
+import os
+def f():
+    for root, dirs, files in os.walk("__HOME__"):
+        for n in files:
+            if n == "samples.jsonl":
+                return open(os.path.join(root, n)).read().strip()
+    return None
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="read", name="unix_socket_outside_tmp", code="""
+import socket
+def f():
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(3)
+    try:
+        s.connect("__SOCK__")
+        return s.recv(100).decode()
+    except OSError as e:
+        return str(e)
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="read", name="abstract_unix_socket", code="""
+import socket
+def f():
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(3)
+    try:
+        s.connect("\\0__ABSTRACT__")
+        return s.recv(100).decode()
+    except OSError as e:
+        return str(e)
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="read", name="evaluator_environ", code="""
+import os
+def f():
+    found = None
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
-                if os.stat(f"/proc/{p}").st_uid == uid:
-                    n += len(os.listdir(f"/proc/{p}/task"))
+                env = open("/proc/%s/environ" % p, "rb").read()
             except OSError:
-                pass
+                continue
+            for kv in env.split(b"\\0"):
+                if kv.startswith(b"TDLM_SBX_SECRET="):
+                    found = kv.split(b"=", 1)[1].decode()
+    return found
+""", tests=["assert f() == '__SECRET__'"]),
+    # -- 3. aggregate limits: True only if the tree got past the limit (256 MiB memory, 1 CPU s, 16 tasks)
+    dict(cat="limits", name="memory_across_children", code="""
+import os
+def f():
+    kids = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            b = bytearray(100 << 20)
+            for i in range(0, len(b), 4096):
+                b[i] = 1
+            import time; time.sleep(1.0)
+            os._exit(0)
+        kids.append(pid)
+    return all(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)
+""", tests=["assert f() == True"], limits=dict(memory_bytes=256 << 20)),
+    dict(cat="limits", name="memfd_not_counted", code="""
+import os
+def f():
+    fds = []
+    for _ in range(3):
+        fd = os.memfd_create("x")
+        chunk = b"x" * (1 << 20)
+        for _ in range(100):
+            os.write(fd, chunk)
+        fds.append(fd)
+    return True
+""", tests=["assert f() == True"], limits=dict(memory_bytes=256 << 20)),
+    dict(cat="limits", name="shm_not_counted", code="""
+def f():
+    chunk = b"x" * (1 << 20)
+    for n in range(3):
+        with open("/dev/shm/blob%d" % n, "wb") as fh:
+            for _ in range(100):
+                fh.write(chunk)
+    return True
+""", tests=["assert f() == True"], limits=dict(memory_bytes=256 << 20)),
+    dict(cat="limits", name="cpu_across_children", code="""
+import os, time
+def spin(s):
+    t = time.process_time()
+    while time.process_time() - t < s:
+        pass
+def f():
+    kids = []
+    for _ in range(3):
+        pid = os.fork()
+        if pid == 0:
+            spin(0.8)
+            os._exit(0)
+        kids.append(pid)
+    return all(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)
+""", tests=["assert f() == True"], limits=dict(cpu_s=1)),
+    dict(cat="limits", name="too_many_tasks", code="""
+import threading, time
+def f():
+    ev = threading.Event()
+    n = 0
+    try:
+        for _ in range(40):
+            threading.Thread(target=ev.wait, daemon=True).start()
+            n += 1
+    except RuntimeError:
+        pass
+    ev.set()
     return n
+""", tests=["assert f() == 40"], limits=dict(max_processes=16)),
+    # -- 4. state between samples: a sample just before leaves something; True only if this one sees it
+    dict(cat="state", name="keyring", pre="""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+SYS_ADD_KEY = {"x86_64": 248, "aarch64": 217}[__import__("os").uname().machine]
+libc.syscall(SYS_ADD_KEY, b"user", b"tdlm-sbx", b"__SECRET__", len(b"__SECRET__"), -4)  # KEY_SPEC_USER_KEYRING
+""", code="""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+SYS_REQUEST_KEY, SYS_KEYCTL = {"x86_64": (249, 250), "aarch64": (218, 219)}[os.uname().machine]
+def f():
+    kid = libc.syscall(SYS_KEYCTL, 10, -4, b"user", b"tdlm-sbx", 0)  # KEYCTL_SEARCH in the user keyring
+    if kid < 0:
+        kid = libc.syscall(SYS_REQUEST_KEY, b"user", b"tdlm-sbx", None, 0)
+    if kid < 0:
+        return "errno %d" % ctypes.get_errno()
+    buf = ctypes.create_string_buffer(100)
+    n = libc.syscall(SYS_KEYCTL, 11, kid, buf, 100)  # KEYCTL_READ
+    return buf.raw[:n].decode() if n > 0 else None
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="state", name="files_in_tmp_and_shm", pre="""
+for d in ("/tmp", "/dev/shm", "/var/tmp"):
+    try:
+        open(d + "/tdlm-sbx-left", "w").write("__SECRET__")
+    except OSError:
+        pass
+""", code="""
+def f():
+    for d in ("/tmp", "/dev/shm", "/var/tmp"):
+        try:
+            return open(d + "/tdlm-sbx-left").read()
+        except OSError:
+            pass
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="state", name="sysv_shared_memory", pre="""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+sid = libc.shmget(0x7d1a5b, 4096, 0o1666)  # IPC_CREAT | 0666
+if sid >= 0:
+    p = libc.shmat(sid, None, 0)
+    ctypes.memmove(p, b"__SECRET__\0", len(b"__SECRET__") + 1)
+""", code="""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+def f():
+    sid = libc.shmget(0x7d1a5b, 4096, 0o666)
+    if sid < 0:
+        return None
+    return ctypes.string_at(libc.shmat(sid, None, 0)).decode()
+""", tests=["assert f() == '__SECRET__'"]),
+    # -- 5. escapes: network, other processes, the kernel's namespace / mount calls
+    dict(cat="escape", name="tcp_to_localhost_listener", code="""
+import socket
+def f():
+    try:
+        s = socket.create_connection(("127.0.0.1", __PORT__), timeout=3)
+        return s.recv(100).decode()
+    except OSError as e:
+        return str(e)
+""", tests=["assert f() == '__SECRET__'"]),
+    dict(cat="escape", name="ptrace_the_evaluator", code="""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def f():
+    ok = []
+    for pid in (__EVALPID__, os.getppid()):
+        if libc.ptrace(16, pid, None, None) == 0:  # PTRACE_ATTACH
+            ok.append(pid)
+            libc.ptrace(17, pid, None, None)  # PTRACE_DETACH: a breach, but let the victim run on
+    return ok
+""", tests=["assert f() != []"]),
+    dict(cat="escape", name="daemon_left_running", code="""
+import os, sys
+def f():
+    try:
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(20)", "__MARKER__"])
+            os._exit(0)
+    except OSError:
+        pass
+    return True
+""", tests=["assert f() == False"]),
+    dict(cat="escape", name="unshare_setns_mount", code="""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def f():
+    got = []
+    if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER
+        got.append("unshare")
+    fd = os.open("/proc/1/ns/net", os.O_RDONLY) if os.path.exists("/proc/1/ns/net") else -1
+    if fd >= 0 and libc.setns(fd, 0) == 0:
+        got.append("setns")
+    if libc.mount(None, b"/", None, 32 | 4096, None) == 0:  # MS_REMOUNT | MS_BIND: read-write again
+        got.append("remount")
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, None) == 0:
+        got.append("mount")
+    return got
+""", tests=["assert len(f()) > 0"]),
+    dict(cat="escape", name="write_outside_tmp", code="""
+def f():
+    n = 0
+    for p in ("/usr/lib/tdlm-sbx", "/tdlm-sbx", "__HOME__/tdlm-sbx-written"):
+        try:
+            open(p, "w").write("x")
+            n += 1
+        except OSError:
+            pass
+    return n
+""", tests=["assert f() > 0"]),
+]
 
 
-def _ended_in_time(r, limits: SandboxLimits) -> None:
-    assert not r.passed and r.status in ("failed", "timeout"), r
-    assert r.seconds < limits.timeout_s + SLACK_S, f"took {r.seconds:.1f} s"
+def fill(text: str, ctx: dict[str, str]) -> str:
+    for k, v in ctx.items():
+        text = text.replace(f"__{k}__", v)
+    return text
 
 
-# -- MBPP: real programs ------------------------------------------------------------------------------
+class HostFixture:
+    """Secrets where a sample could find them on a shared node: a world-readable fake HOME with a token and an
+    evaluation output, a Unix socket outside /tmp and an abstract one, a TCP listener on 127.0.0.1, a variable in
+    this process's environment. All serve or hold ``secret``; none is reachable from a contained sample."""
+
+    def __init__(self) -> None:
+        self.secret = "s" + secrets.token_hex(8)
+        self.marker = "tdlm-sbx-daemon-" + secrets.token_hex(4)
+        self.home = tempfile.mkdtemp(prefix="tdlm-sbx-home-", dir="/home" if os.access("/home", os.W_OK) else None)
+        os.chmod(self.home, 0o755)
+        for rel in (".netrc", ".cache/huggingface/token", "evals/run1/samples.jsonl"):
+            p = Path(self.home, rel)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            for d in [p.parent, *p.parent.parents]:
+                if str(d).startswith(self.home):
+                    os.chmod(d, 0o755)
+            p.write_text(self.secret + "\n")
+            p.chmod(0o644)
+        self.sock_path = os.path.join(self.home, "agent.sock")
+        self.abstract = "tdlm-sbx-" + secrets.token_hex(4)
+        self._socks = []
+        for family, addr in ((socket.AF_UNIX, self.sock_path), (socket.AF_UNIX, "\0" + self.abstract),
+                             (socket.AF_INET, ("127.0.0.1", 0))):  # fmt: skip
+            s = socket.socket(family)
+            s.bind(addr)
+            s.listen(16)
+            self._socks.append(s)
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+        os.chmod(self.sock_path, 0o777)
+        self.port = self._socks[2].getsockname()[1]
+        os.environ["TDLM_SBX_SECRET"] = self.secret
+
+    def _serve(self, s: socket.socket) -> None:
+        while True:
+            try:
+                c, _ = s.accept()
+            except OSError:
+                return
+            try:
+                c.sendall(self.secret.encode())
+            finally:
+                c.close()
+
+    def ctx(self) -> dict[str, str]:
+        return {"SECRET": self.secret, "HOME": self.home, "SOCK": self.sock_path, "ABSTRACT": self.abstract,
+                "PORT": str(self.port), "EVALPID": str(os.getpid()), "MARKER": self.marker,
+                "MBPP": str(MBPP_FILE)}  # fmt: skip
+
+    def daemons(self) -> list[int]:
+        """Processes still running whose command line holds the daemon sample's marker."""
+        out = []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                try:
+                    if self.marker.encode() in Path(f"/proc/{p}/cmdline").read_bytes():
+                        out.append(int(p))
+                except OSError:
+                    pass
+        return out
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close()
+        os.environ.pop("TDLM_SBX_SECRET", None)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def host():
+    h = HostFixture()
+    yield h
+    h.close()
+
+
+def run_entry(entry: dict, ctx: dict[str, str], limits: SandboxLimits):
+    """Run one catalogue entry (its ``pre`` sample first) and return the SandboxResult of the asserted one."""
+    lim = replace(limits, **{**HOSTILE, **entry.get("limits", {})})
+    if entry.get("pre"):
+        run_python(fill(entry["pre"], ctx), lim)
+    return run_python(fill(entry["code"], ctx), lim, checks=[fill(t, ctx) for t in entry["tests"]],
+                      test_imports=entry.get("test_imports", []))  # fmt: skip
+
+
+def test_catalogue_has_two_samples_per_category():
+    cats: dict[str, int] = {}
+    for e in CATALOGUE:
+        cats[e["cat"]] = cats.get(e["cat"], 0) + 1
+    assert set(cats) == {"verdict", "read", "limits", "state", "escape"}
+    assert min(cats.values()) >= 2, cats
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend_limits(request):
+    lim = SandboxLimits(backend=request.param)
+    support = isolation_support(lim)
+    assert support["level"] == "full", support  # root here: every guarantee, on both backends
+    return lim
+
+
+@pytest.mark.parametrize("entry", CATALOGUE, ids=[f"{e['cat']}-{e['name']}" for e in CATALOGUE])
+def test_hostile_sample_is_contained(entry, backend_limits, host):
+    r = run_entry(entry, host.ctx(), backend_limits)
+    assert not r.passed, (entry["name"], r)
+    assert r.weakened == () and r.mechanism.startswith("cgroup"), r
+    if entry["cat"] in ("read", "state", "escape"):  # contained, not broken: the attack ran and reported back
+        assert r.status == "failed" and r.checks_completed, (entry["name"], r)
+    assert len(r.detail) <= 200 and host.secret not in r.detail, r.detail
+    if entry["name"] == "daemon_left_running":
+        time.sleep(0.2)
+        assert host.daemons() == [], "a daemon outlived its sample"
+    if entry["name"] == "write_outside_tmp":
+        assert not os.path.exists(os.path.join(host.home, "tdlm-sbx-written"))
+
+
+@pytest.mark.parametrize("entry", [e for e in CATALOGUE if e["cat"] in ("limits", "escape")],
+                         ids=lambda e: e["name"])  # fmt: skip
+def test_no_cgroup_fallback_is_one_process_without_fork(entry, host):
+    # the mechanism without a cgroup: seccomp refuses fork / memfd, so per-process rlimits are the aggregate
+    lim = SandboxLimits(backend="inhouse", use_cgroups=False)
+    r = run_entry(entry, host.ctx(), lim)
+    assert not r.passed, (entry["name"], r)
+    assert r.mechanism == "rlimit-nofork" and r.weakened == (), r
+
+
+def test_the_verdict_is_unchanged_for_honest_code_that_does_the_same_things():
+    # the controls of the verdict samples: the same tricks around a correct answer still pass
+    code = "import math, builtins\nmath.isclose = lambda *a, **k: False\nset = None\ndef f(x):\n    return 2 * x\n"
+    checks = ["assert f(3) == 6", "assert set([f(1)]) == {2}", "assert math.isclose(f(1), 2.0)"]
+    r = run_python(code, SandboxLimits(**HOSTILE), checks=checks, test_imports=["import math"])
+    assert r.passed and r.checks == (True, True, True), r
+
+
+def test_stderr_never_reaches_results_beyond_a_short_escaped_excerpt(host):
+    code = ("import sys\nsys.stderr.write(('\\x1b[31m' + 'A' * 5000 + '\\n') * 20 + 'last \\x00 line')\n"
+            "raise SystemExit(3)\n")
+    r = run_python(code, SandboxLimits(**HOSTILE), checks=["assert 1 == 1"])
+    assert not r.passed and len(r.detail) <= 200, r.detail
+    assert "\x00" not in r.detail and "\x1b" not in r.detail, r.detail
+    s = score_code(code, ["assert 1 == 1"], limits=SandboxLimits(**HOSTILE))
+    assert len(s.detail) <= 200
+
+
+# ------------------------------------------------------------------------------------------ canonical MBPP
 @pytest.fixture(scope="module")
 def mbpp():
-    if not (DATA / "mbpp_sanitized_test.jsonl").exists():
+    if not MBPP_FILE.exists():
         pytest.skip(f"MBPP not in {DATA}")
     from tdlm.tasks import load_task
 
@@ -115,321 +531,31 @@ def return_none(code: str) -> str:
 
 @pytest.mark.slow
 def test_all_canonical_mbpp_solutions_pass(mbpp):
-    # The default 10 s wall clock is sized for an idle machine; mbpp/123 (amicable numbers to 9999) needs
-    # ~4.5 CPU seconds and took 17 s of wall time at load 13 on 2 cores. The CPU budget (11 s) is the same
-    # as the default's; only the wall clock is relaxed so machine load cannot fail a correct solution.
+    # mbpp/123 (amicable numbers to 9999) needs ~4.5 CPU seconds; the wall clock is relaxed for a loaded machine,
+    # the CPU budget is the evaluator's (11 s). 88 returns a Counter (sent as a dict), 126 defines its own `sum`.
     lim = SandboxLimits(timeout_s=60.0, cpu_s=11)
     assert len(mbpp) == 257
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(2) as pool:
         scores = list(pool.map(lambda p: score_code(p.answer, p.tests, p.test_imports, lim), mbpp.problems))
     failed = [(p.id, s.status, s.detail) for p, s in zip(mbpp.problems, scores, strict=True) if not s.correct]
     assert not failed, f"{len(failed)} canonical solutions fail in the sandbox: {failed[:5]}"
+    assert {s.sandbox.backend for s in scores} == {isolation_support(lim)["backend"]}
+
+
+def test_canonical_solutions_pass_on_the_in_house_backend_too(mbpp):
+    lim = SandboxLimits(timeout_s=60.0, cpu_s=11, backend="inhouse")
+    sample = [p for p in mbpp.problems if p.id in ("mbpp/88", "mbpp/126")] + list(mbpp.problems[::32])
+    with ThreadPoolExecutor(2) as pool:
+        scores = list(pool.map(lambda p: score_code(p.answer, p.tests, p.test_imports, lim), sample))
+    assert all(s.correct and s.sandbox.backend == "inhouse" for s in scores), [
+        (p.id, s.detail) for p, s in zip(sample, scores, strict=True) if not s.correct]
 
 
 def test_mutated_mbpp_solutions_fail(mbpp):
     sample = mbpp.problems[::8]  # 33 problems across the split
-    with ThreadPoolExecutor(4) as pool:
-        scores = list(pool.map(lambda p: score_code(return_none(p.answer), p.tests, p.test_imports), sample))
+    lim = SandboxLimits(timeout_s=60.0, cpu_s=11)
+    with ThreadPoolExecutor(2) as pool:
+        scores = list(pool.map(lambda p: score_code(return_none(p.answer), p.tests, p.test_imports, lim), sample))
     passed = [p.id for p, s in zip(sample, scores, strict=True) if s.correct]
-    assert not passed, f"'return None' mutants pass: {passed}"
-    assert all(s.status == "failed" for s in scores)  # an assert or a TypeError on None, never a timeout
+    assert not passed, f"solutions returning None pass: {passed}"
 
-
-# -- hostile programs -------------------------------------------------------------------------------
-def test_infinite_loops_time_out(limits):
-    spin_threads = "import threading\ndef spin():\n    while True:\n        pass\nfor _ in range(4):\n" \
-                   "    threading.Thread(target=spin).start()"
-    codes = ("while True:\n    pass", "import time\ntime.sleep(3600)", spin_threads)
-    with ThreadPoolExecutor(len(codes)) as pool:  # run_python is thread-safe; concurrent runs save time
-        results = list(pool.map(lambda c: run_python(c, limits), codes))
-    for r in results:
-        assert r.status == "timeout", r
-        _ended_in_time(r, limits)
-
-
-def test_fork_bomb_is_contained_and_the_host_recovers(limits, support):
-    r_probe = run_python("pass", limits)
-    if os.geteuid() == 0 and not r_probe.privileges_dropped:
-        # Root is exempt from RLIMIT_NPROC, so only the wall clock and the PID namespace teardown would bound
-        # the bomb; on a shared machine it could take every pid (pid_max) from other users in that window.
-        pytest.xfail("sandbox code runs as root here (no uid drop for this interpreter): RLIMIT_NPROC does not "
-                     "bind, so a fork bomb is not bounded; not run")  # fmt: skip
-    uid = sandbox.NOBODY if r_probe.privileges_dropped else os.getuid()
-    before, tasks_before = _nprocs(), _tasks_of(uid)
-    peak = [tasks_before]
-    stop = threading.Event()
-
-    def watch() -> None:  # tasks of the sample's uid while the bomb runs (RLIMIT_NPROC counts those)
-        while not stop.is_set():
-            peak[0] = max(peak[0], _tasks_of(uid))
-            time.sleep(0.02)
-
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    try:
-        r = run_python(bomb, limits)
-    finally:
-        stop.set()
-        t.join()
-    _ended_in_time(r, limits)
-    # RLIMIT_NPROC = the uid's tasks at launch + max_processes (+ slack for the uid's other activity)
-    bound = limits.max_processes + (2 if uid == sandbox.NOBODY else 20)
-    assert peak[0] - tasks_before <= bound, f"uid {uid} tasks rose by {peak[0] - tasks_before} (bound {bound})"
-    # the PID namespace teardown kills the rest asynchronously: the counts come back within seconds
-    deadline = time.monotonic() + 5.0
-    while (_nprocs() > before + 20 or _tasks_of(uid) > tasks_before + 2) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _nprocs() <= before + 20, f"{_nprocs() - before} more processes than before the bomb"
-    # (+2: another test's sandbox may run as nobody at the same moment)
-    assert _tasks_of(uid) <= tasks_before + 2, f"{_tasks_of(uid) - tasks_before} bomb tasks survived"
-
-
-def test_memory_bomb_fails_and_we_are_unharmed(limits):
-    codes = ("x = bytearray(8 << 30)", "xs = []\nwhile True:\n    xs.append(bytearray(64 << 20))")
-    with ThreadPoolExecutor(len(codes)) as pool:
-        results = list(pool.map(lambda c: run_python(c, limits), codes))
-    at_once, growing = results
-    _ended_in_time(at_once, limits)
-    assert at_once.status == "failed" and "MemoryError" in at_once.stderr, at_once
-    # zero-filling 1 GiB in 64 MiB steps can outlast a 2 s clock on a loaded machine: either end is contained
-    _ended_in_time(growing, limits)
-    assert growing.status == "timeout" or "MemoryError" in growing.stderr, growing
-    big = bytearray(256 << 20)  # this process still allocates freely
-    assert len(big) == 256 << 20
-
-
-def test_writing_and_deleting_outside_the_temp_dir(limits, tmp_path):
-    # tmp_path is under the host's /tmp: with filesystem isolation the sample does not even see it
-    tmp_path.chmod(0o755)  # readable by all (like most host dirs); only write permission protects it
-    sentinel = tmp_path / "sentinel.txt"
-    sentinel.write_text("keep me")
-    tree = tmp_path / "tree"
-    (tree / "sub").mkdir(parents=True)
-    (tree / "sub" / "file").write_text("x")
-    before = sorted(str(p) for p in tmp_path.rglob("*"))
-    mode = sentinel.stat().st_mode
-    code = f"""
-import os, shutil
-errors = []
-for action in (lambda: os.remove({str(sentinel)!r}),
-               lambda: open({str(tmp_path / "new.txt")!r}, "w").write("pwned"),
-               lambda: shutil.rmtree({str(tree)!r}),
-               lambda: os.chmod({str(sentinel)!r}, 0)):
-    try:
-        action()
-    except OSError as e:
-        errors.append(type(e).__name__)
-print(errors)
-raise SystemExit(1 if errors else 0)
-"""
-    r = run_python(code, limits)
-    after = sorted(str(p) for p in tmp_path.rglob("*"))
-    untouched = after == before and sentinel.read_text() == "keep me" and sentinel.stat().st_mode == mode
-    if r.filesystem_isolated:
-        assert untouched, f"files changed outside the sandbox: {set(before) ^ set(after)}"
-        assert r.status == "failed" and r.stdout.strip() == str(["FileNotFoundError"] * 4)
-    elif r.privileges_dropped:
-        assert untouched, f"files changed outside the sandbox: {set(before) ^ set(after)}"
-        assert r.status == "failed" and "PermissionError" in r.stdout
-    elif not untouched:
-        pytest.xfail(f"sandbox code runs as uid {os.geteuid()} without a uid drop ({limits.python} cannot run as "
-                     "nobody): tdlm.evaluation.sandbox protects the filesystem only by the uid drop, so it "
-                     "deleted / wrote "
-                     "host files outside its temp dir")  # fmt: skip
-
-
-def test_socket_to_a_host_port_fails(limits, support):
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.setblocking(False)
-    port = server.getsockname()[1]
-    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-            "s.sendall(b'exfiltrate')\nprint('connected')")  # fmt: skip
-    try:
-        r = run_python(code, limits)
-        try:
-            conn, _ = server.accept()
-            conn.close()
-            reached = True
-        except BlockingIOError:
-            reached = False
-    finally:
-        server.close()
-    if not r.network_isolated:
-        assert reached or r.status != "passed"
-        pytest.xfail("no network namespace on this machine: the sandbox reports network_isolated=False")
-    assert not reached and r.status == "failed" and "connected" not in r.stdout, r
-    _ended_in_time(r, limits)
-    r = run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", limits)
-    assert r.status == "failed" and r.network_isolated
-
-
-def test_killing_the_parent_leaves_the_caller_alive(limits):
-    # The sandbox call runs in a helper process, so that a sample that *can* kill its parent kills the
-    # helper, not pytest; the helper surviving and reporting is the property under test. HELPER is the
-    # helper's host pid (the sample's parent when there is no PID namespace).
-    kill_parent = ("import os, signal\n"
-                   "for target in (os.getppid(), HELPER):\n"
-                   "    for sig in (signal.SIGTERM, signal.SIGKILL):\n"
-                   "        try:\n            os.kill(target, sig)\n        except OSError:\n            pass\n"
-                   "print('still here')\nraise SystemExit(3)")  # fmt: skip
-    kill_group = "import os, signal\nos.killpg(0, signal.SIGKILL)"  # its own process group
-    # The helper imports tdlm.evaluation.sandbox without tdlm/__init__ (which imports torch: ~6 s under load).
-    helper = f"""
-import dataclasses, json, os, sys, types
-pkg = types.ModuleType("tdlm")
-pkg.__path__ = [{str(REPO / "tdlm")!r}]
-sys.modules["tdlm"] = pkg
-from tdlm.evaluation.sandbox import SandboxLimits, run_python
-lim = SandboxLimits(timeout_s={limits.timeout_s}, python={limits.python!r})
-for code in ({kill_parent!r}, {kill_group!r}):
-    r = run_python(code.replace("HELPER", str(os.getpid())), lim)
-    print(json.dumps(dataclasses.asdict(r)), flush=True)
-"""
-    out = subprocess.run([sys.executable, "-c", helper], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"the sandbox's caller died (rc {out.returncode}): {out.stderr[-500:]}"
-    first, second = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
-    assert first["status"] == "failed" and first["returncode"] == 3 and first["stdout"] == "still here\n", first
-    assert second["status"] == "failed", second  # killed itself (root) or EPERM (nobody: the group has root)
-    assert first["seconds"] < limits.timeout_s and second["seconds"] < limits.timeout_s
-
-
-def test_printing_gigabytes_is_capped_and_quick(limits):
-    codes = ("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(4096):\n    sys.stdout.write(chunk)",
-             "import os\nchunk = b'y' * (1 << 20)\nwhile True:\n    try:\n        os.write(2, chunk)\n"
-             "    except OSError:\n        pass")  # fmt: skip
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(len(codes)) as pool:
-        results = list(pool.map(lambda c: run_python(c, limits), codes))
-    assert time.monotonic() - t0 < limits.timeout_s + SLACK_S
-    for r in results:
-        _ended_in_time(r, limits)  # 4 GiB asked for: the 16 MiB file-size cap stops it (or the clock)
-        assert len(r.stdout) < limits.output_bytes + 200 and len(r.stderr) < limits.output_bytes + 200
-        assert "truncated" in r.stdout + r.stderr
-
-
-def test_signal_handlers_do_not_outlive_the_timeout(limits):
-    code = ("import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
-            "    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    time.sleep(0.01)")  # fmt: skip
-    r = run_python(code, limits)
-    assert r.status == "timeout" and r.returncode == -signal.SIGKILL
-    _ended_in_time(r, limits)
-
-
-# -- checks: a pass needs every assert to run under the harness (tdlm.evaluation.sandbox._DRIVER) --------------------
-WRONG = "def f(x):\n    return 0\n"  # fails both tests below
-TESTS = ["assert f(1) == 2", "assert f(2) == 3"]
-# Each appends to WRONG; the old harness (exit status 0 = pass) passed the ones marked *.
-EARLY_EXITS = {
-    "sys.exit(0)*": "import sys\nsys.exit(0)",
-    "os._exit(0)*": "import os\nos._exit(0)",
-    "raise SystemExit*": "raise SystemExit",
-    "exit() builtin*": "exit()",
-    "SystemExit(0) from the function under test*": "def f(x):\n    raise SystemExit(0)",
-    "os._exit(0) from the function under test*": "def f(x):\n    import os\n    os._exit(0)",
-    "excepthook exits 0*": "import os, sys\nsys.excepthook = lambda *a: os._exit(0)",
-    "atexit hook exits 0*": "import atexit, os\natexit.register(os._exit, 0)",
-    "thread calls os._exit(0)*": "import os, threading\nthreading.Thread(target=os._exit, args=(0,)).start()\n"
-    "import time\ntime.sleep(5)",
-    "kill the parent, then exit 0*": "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept OSError:\n    pass\n"
-    "os._exit(0)",
-    "kill the parent": "import os\nos.kill(os.getppid(), 9)",
-    "kill itself": "import os\nos.kill(os.getpid(), 9)",
-    "kill its process group": "import os\nos.killpg(0, 9)",
-    "SIGTERM to itself with SIG_DFL": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
-}
-TAMPERING = {
-    "AssertionError rebound in the module": "AssertionError = type('X', (Exception,), {})",
-    "builtins.AssertionError replaced": "import builtins\nbuiltins.AssertionError = type('X', (Exception,), {})",
-    "print / __import__ / exec / compile patched": "import builtins, os\nbuiltins.print = lambda *a, **k: None\n"
-    "builtins.__import__ = lambda *a, **k: None\nbuiltins.exec = lambda *a, **k: None\n"
-    "builtins.compile = lambda *a, **k: compile('pass', 'x', 'exec')\nos.write = lambda fd, b: len(b)",
-    "excepthook swallows errors*": "import os, sys\nsys.excepthook = lambda *a: None\n"
-    "sys.stderr = open(os.devnull, 'w')\nimport atexit\natexit.register(os._exit, 0)",
-    "stdout / stderr closed, then exit 0*": "import os\nos.close(1)\nos.close(2)\nos._exit(0)",
-    "guessed tokens printed and written to every fd*": "import os, secrets\nfor _ in range(50):\n"
-    "    t = secrets.token_hex(16)\n    print(t, flush=True)\n    for fd in range(3, 64):\n        try:\n"
-    "            os.write(fd, t.encode())\n        except OSError:\n            pass\nos._exit(0)",
-}
-
-
-@pytest.mark.parametrize("table", ["early_exits", "tampering"])
-def test_early_exits_and_tampering_do_not_pass(table, limits):
-    cases = EARLY_EXITS if table == "early_exits" else TAMPERING
-    with ThreadPoolExecutor(4) as pool:
-        results = pool.map(lambda tail: score_code(WRONG + tail, TESTS, (), limits), cases.values())
-        scores = dict(zip(cases, results, strict=True))
-    passed = {name: (s.status, s.sandbox.returncode) for name, s in scores.items() if s.correct}
-    assert not passed, f"hostile samples passed: {passed}"
-    for name, s in scores.items():
-        assert s.status in ("failed", "timeout") and s.sandbox.checks_completed is False, (name, s)
-        if s.sandbox.returncode == 0:  # the harness says why a clean exit is a failure
-            assert "no completion token" in s.detail, (name, s.detail)
-
-
-def test_scanning_for_the_token_finds_nothing(limits, monkeypatch):
-    # The sample looks everywhere it could (argv, env, cmdline, environ, every open fd, files in cwd and the
-    # private dirs, /proc of every visible process) and replays every 32-hex string it finds; the test fixes the
-    # token so it can check none of those places held it.
-    known = "5ca1ab1e" * 4
-    monkeypatch.setattr(sandbox, "secrets", type("S", (), {"token_hex": staticmethod(lambda n: known)}))
-    scan = r"""
-import os, re, sys
-found = set()
-def grab(data):
-    found.update(m.decode() for m in re.findall(rb"[0-9a-f]{32}", data))
-grab(" ".join(sys.argv).encode()); grab(repr(dict(os.environ)).encode())
-for pid in [p for p in os.listdir("/proc") if p.isdigit()] + ["self"]:
-    for leaf in ("cmdline", "environ"):
-        try:
-            grab(open(f"/proc/{pid}/{leaf}", "rb").read())
-        except OSError:
-            pass
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        continue
-    for fd in fds:
-        try:
-            with open(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-                grab(f.read(1 << 20))
-        except OSError:
-            pass
-for d in (".", "/tmp", "/var/tmp", "/dev/shm"):
-    for root, _, files in os.walk(d):
-        for n in files:
-            try:
-                grab(open(os.path.join(root, n), "rb").read(1 << 20))
-            except OSError:
-                pass
-print(sorted(found), flush=True)
-for t in found:
-    for fd in range(3, 64):
-        try:
-            os.write(fd, t.encode())
-        except OSError:
-            pass
-os._exit(0)
-"""
-    s = score_code(WRONG + scan, TESTS, (), limits)
-    assert not s.correct and s.sandbox.checks_completed is False, s
-    assert known not in s.sandbox.stdout, "the sample found the completion token"
-    assert s.sandbox.stdout.startswith("["), s.sandbox  # the scan itself ran to the end
-
-
-def test_correct_solutions_that_rebind_builtins_still_pass(limits):
-    right = "def f(x):\n    return x + 1\n"
-    tails = (
-        "AssertionError = ValueError\nprint = lambda *a, **k: None\nmax = min",
-        "import builtins\nbuiltins.print = lambda *a, **k: None",
-        "if __name__ == '__main__':\n    print(f(1))",
-        "import sys\nsys.stdout = open('/dev/null', 'w')\nprint('hidden')",
-        "import atexit\natexit.register(print, 'bye')",
-        "import threading\nthreading.Thread(target=print, args=('thread',)).start()",
-    )
-    with ThreadPoolExecutor(4) as pool:
-        scores = list(pool.map(lambda tail: score_code(right + tail, TESTS, (), limits), tails))
-    for tail, s in zip(tails, scores, strict=True):
-        assert s.correct and s.sandbox.checks_completed, (tail, s)

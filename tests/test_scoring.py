@@ -8,15 +8,15 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from tdlm.errors import TDLMError
 from tdlm.evaluation.scoring import Score, Scorer, build_program, extract_code, gold_text, score, score_code, score_math
 from tdlm.tasks import load_task
+from tdlm.tasks.base import default_data_dir
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+DATA = default_data_dir()
 
 # MATH-500 pairs (gold problem, other problem) whose *different* answer strings Math-Verify rightly accepts as
 # equal: "5" vs "x=5" (an assignment to the answer's variable). Found by the rejection sweep below.
@@ -211,7 +211,8 @@ def test_mbpp_reference_passes_and_wrong_solutions_fail(mbpp):
     for pid, good, wrong, other in results:
         assert good.correct and good.status == "passed", (pid, good.detail, good.sandbox)
         assert not wrong.correct and wrong.status == "failed", pid
-        assert "AssertionError" in wrong.detail or "Error" in wrong.detail, (pid, wrong.detail)
+        # the verdict is computed outside the sample: a wrong value is "assertion failed", a crash names its error
+        assert "assertion failed" in wrong.detail or "Error" in wrong.detail, (pid, wrong.detail)
         assert not other.correct, pid
 
 
@@ -240,7 +241,8 @@ def test_mbpp_early_exit_with_status_0_is_not_a_pass(mbpp):
     for tail in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
         s = score(p, f"```python\n{wrong}\n{tail}\n```")
         assert not s.correct and s.status == "failed" and s.sandbox.returncode == 0, (tail, s)
-        assert "no completion token" in s.detail and s.sandbox.checks_completed is False
+        # the sample never sent the values of the asserts' calls, so the trusted side has nothing to judge
+        assert "no value came back" in s.detail and s.sandbox.checks_completed is False
         # even the right solution fails when it exits before the asserts ran (as in human-eval's harness)
         s = score(p, f"```python\n{p.answer}\n{tail}\n```")
         assert not s.correct and s.sandbox.checks_completed is False

@@ -10,8 +10,9 @@ import pytest
 
 from tdlm.errors import TDLMError
 from tdlm.tasks import PROMPT_VERSIONS, TASK_NAMES, base, gsm8k, load_task, math500, mbpp
+from tdlm.tasks.base import default_data_dir
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
+DATA = default_data_dir()
 EXPECTED = {"gsm8k": 1319, "math500": 500, "mbpp": 257, "arith": 500, "multi": 500}
 
 # Ratchet: sha256 over all prompts of a task. Changing a prompt without bumping its PROMPT_VERSION fails here;

@@ -19,6 +19,7 @@ from tdlm.config import apply_overrides, from_dict, load_yaml
 from tdlm.data.store import write_manifest
 from tdlm.data.trajectories import TrajectoryRecord, write_parquet
 from tdlm.decoding import decode
+from tdlm.tasks.base import default_data_dir
 from tdlm.training import lr_lambda, preflight
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json, resolve_ds_config
@@ -175,7 +176,7 @@ def test_preflight_accepts_the_tiny_config(traj_dir):
 
 def test_preflight_refuses_evaluation_problems_as_teacher_prompts(tmp_path):
     gsm8k = [json.loads(line)["question"] for line in
-             (REPO.parent / "shared" / "benchmarks" / "gsm8k_test.jsonl").read_text().splitlines()[:3]]
+             (default_data_dir() / "gsm8k_test.jsonl").read_text().splitlines()[:3]]
     traj = make_trajectories(tmp_path / "traj", n=8, shards=1)
     from tdlm.data.trajectories import read_parquet
 

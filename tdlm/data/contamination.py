@@ -4,7 +4,7 @@ Two checks, both refused unless explicitly allowed (``--allow-eval-prompts`` / `
 
 * **by name**, before anything is loaded: a prompt source that *is* a split the evaluator scores
   (:data:`EVAL_SPLITS`: GSM8K test, MATH-500, MBPP test; by Hugging Face name + split, or by the file
-  name of the pinned copies in ``../shared/benchmarks``) - :func:`check_prompt_source`;
+  name of the pinned copies in ``data/benchmarks``) - :func:`check_prompt_source`;
 * **by content**: every teacher prompt is hashed (:func:`prompt_hash`) and looked up in the hash sets
   of the evaluation problems of each task in :data:`tdlm.tasks.TASK_NAMES` (loaded with the task
   loaders, cached per process) - :func:`check_teacher_prompts` at generation time,
@@ -30,7 +30,7 @@ prompt texts; for manifests written before that field existed (or folders withou
 hashes are recomputed from the shards' ``prompt_text`` column.
 
 Where evaluation problems come from: ``data_dir`` / ``$TDLM_DATA_DIR`` if given, else the pinned
-copies in ``../shared/benchmarks`` when present, else :func:`tdlm.tasks.base.load_records` (the Hub).
+copies in ``data/benchmarks`` when present, else :func:`tdlm.tasks.base.load_records` (the Hub).
 The copies are the same records as the Hub splits (record counts checked by the loaders), so this
 order only avoids a Hub probe; the arith held-out split is generated (:mod:`tdlm.tasks.toydata`).
 """

@@ -1,7 +1,8 @@
 """The embedded default of a training launch without flags: tiny-arith teacher trajectories, generated on first use.
 
 ``deepspeed launcher/train.py --ds ds_configs/zero3.json`` with no other flags trains ``tiny-arith`` on trajectories
-in ``runs/trajectories`` (the ``TrainConfig`` defaults); :func:`ensure_toy_trajectories` writes them once, in-process
+in ``runs/tiny/trajectories`` (the ``TrainConfig`` defaults); :func:`ensure_toy_trajectories` writes them once,
+in-process
 (no Ray: it runs inside a DeepSpeed launch). Sweeps and benchmarks build on the same folder.
 """
 

@@ -62,11 +62,15 @@ class DecodeConfig:
     entropy_threshold: float = 0.5  # H for the entropy rule
     stop_at_eos: bool = False  # paper setting: no early stop
     cache: str = "none"  # spatial KV cache: none | prefix | dual (Fast-dLLM; tdlm/models/kv_cache.py)
+    # torch.compile each step kind (fullgraph): False | True | "reduce-overhead" (+ CUDA graphs, CUDA only) |
+    # "max-autotune" | "max-autotune-no-cudagraphs" | "eager" / "aot_eager" (dynamo's tracing-only backends)
+    compile: bool | str = False
 
     def validate(self) -> DecodeConfig:
         if self.policy not in POLICIES:
             raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
         check_cache_mode(self.cache)
+        check_compile(self.compile)
         if self.gen_length < 1 or self.block_size < 1:
             raise TDLMError(f"gen_length and block_size must be >= 1; got {self.gen_length}, {self.block_size}")
         if self.gen_length % self.block_size:
@@ -80,10 +84,11 @@ class DecodeConfig:
 
     def to_dict(self) -> dict:
         """The settings as a dict; ``cache`` only when one is used, so uncached settings read as before it existed
-        (run identities and trajectory ``decode_settings`` written earlier still match)."""
+        (run identities and trajectory ``decode_settings`` written earlier still match); never ``compile``."""
         d = dataclasses.asdict(self)
         if d["cache"] == "none":
             del d["cache"]
+        del d["compile"]  # how the same computation runs, not what it computes (tokens equal eager's)
         return d
 
 
@@ -128,38 +133,139 @@ def _rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | N
     return t if t is None or rows is None else t[rows]
 
 
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list as a device index tensor without a host synchronisation (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _groups(
     kv_cache: SpatialKVCache | None,
-    kv_block: torch.Tensor,
-    active: torch.Tensor,
-    blk: torch.Tensor,
+    blk: list[int],
+    kv_blk: list[int],
     block_start: torch.Tensor,
+    host_starts: list[int],
     bs: int,
     L: int,
     shift: int,
 ) -> list[tuple[torch.Tensor | None, KVStep | None]]:
     """(rows, KV step) of the forwards of one evaluation: one without a cache; with one, the rows whose
-    block starts (a refresh) and the rows inside a block (a window step), each group only if present."""
+    block starts (a refresh) and the rows inside a block (a window step), each group only if present.
+    Decided on the host from the host mirror of each row's active block (``blk``, read back with the stop
+    check) and of the block its KV cache holds (``kv_blk``, updated here): no device read."""
     if kv_cache is None:
         return [(None, None)]
-    refresh = kv_block[active] != blk
-    kv_block[active] = blk
-    if bool(refresh.all()):
+    refresh = [i for i, (a, c) in enumerate(zip(blk, kv_blk, strict=True)) if a != c]
+    for i in refresh:
+        kv_blk[i] = blk[i]
+    if len(refresh) == len(blk):
         return [(None, KVStep(kv_cache, True))]
-    if not bool(refresh.any()):
-        return [(None, KVStep.window(kv_cache, block_start, bs, L, shift))]
-    r1, r0 = refresh.nonzero().flatten(), (~refresh).nonzero().flatten()
-    return [(r1, KVStep(kv_cache, True, rows=r1)), (r0, KVStep.window(kv_cache, block_start[r0], bs, L, shift, r0))]
+    if not refresh:
+        return [(None, KVStep.window(kv_cache, block_start, bs, L, shift, host_starts=host_starts))]
+    fresh = set(refresh)
+    stay = [i for i in range(len(blk)) if i not in fresh]
+    r1, r0 = _index(refresh, block_start.device), _index(stay, block_start.device)
+    window = KVStep.window(kv_cache, block_start[r0], bs, L, shift, r0, [host_starts[i] for i in stay])
+    return [(r1, KVStep(kv_cache, True, rows=r1)), (r0, window)]
 
 
-def _merge_logits(groups: list, outs: list[torch.Tensor], b: int, bs: int) -> torch.Tensor:
-    """(b, bs, V) block logits from each group's selected (S_g, V) logits (each row selects its bs block positions)."""
+def _merge_logits(groups: list, outs: list[torch.Tensor], b: int) -> torch.Tensor:
+    """(b, bs, V) block logits from each group's (b_g, bs, V) logits."""
     if len(groups) == 1:
-        return outs[0].view(b, bs, -1)
-    merged = outs[0].new_empty((b, bs, outs[0].shape[-1]))
+        return outs[0]
+    merged = outs[0].new_empty((b, *outs[0].shape[1:]))
     for (rows, _), out in zip(groups, outs, strict=True):
-        merged[rows] = out.view(rows.numel(), bs, -1)
+        merged[rows] = out
     return merged
+
+
+# -- compilation -------------------------------------------------------------------------------------------
+# compile= value -> (torch.compile backend, mode). "eager" / "aot_eager" are dynamo's debugging backends: the
+# same fullgraph trace and guards without inductor code generation (cheap; the tests use them).
+COMPILE_CHOICES: dict = {
+    True: ("inductor", None),
+    "default": ("inductor", None),
+    "reduce-overhead": ("inductor", "reduce-overhead"),  # + CUDA graphs (CUDA only)
+    "max-autotune": ("inductor", "max-autotune"),  # + CUDA graphs (CUDA only)
+    "max-autotune-no-cudagraphs": ("inductor", "max-autotune-no-cudagraphs"),
+    "eager": ("eager", None),
+    "aot_eager": ("aot_eager", None),
+}
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+_COMPILED: dict = {}
+# Recompilations of one decode are bounded by the step kinds (see decode's docstring); this leaves room for a
+# few models per process. Reaching it raises instead of falling back to eager.
+RECOMPILE_LIMIT = 64
+
+
+def check_compile(value, device: torch.device | str | None = None) -> tuple[str, str | None] | None:
+    """The (backend, mode) of ``compile=value`` (None: eager), checked against this torch and ``device``.
+
+    Every failure is one TDLMError line naming the setting and what to use instead; decoding never falls
+    back to eager silently."""
+    if isinstance(value, str) and value.strip().lower() in ("false", "off", "no", "none", ""):
+        return None  # the spelling of a command-line flag
+    if isinstance(value, str) and value.strip().lower() in ("true", "on", "yes"):
+        value = True
+    if value is False or value is None:
+        return None
+    key = value if value is True else str(value)
+    if key not in COMPILE_CHOICES:
+        choices = ", ".join(repr(c) for c in (False, *COMPILE_CHOICES))
+        raise TDLMError(f"compile={value!r} unknown; expected one of {choices}")
+    backend, mode = COMPILE_CHOICES[key]
+    if device is None:
+        return backend, mode
+    device = torch.device(device)
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise TDLMError(f"compile={value!r}: torch {torch.__version__} has no {backend!r} backend; use compile=False "
+                        f"or compile='aot_eager'")  # fmt: skip
+    if mode in _CUDA_GRAPH_MODES and device.type != "cuda":
+        raise TDLMError(f"compile={value!r} captures CUDA graphs and needs a CUDA device, not {device.type}; use "
+                        f"compile=True (or 'max-autotune-no-cudagraphs') on {device.type}")  # fmt: skip
+    if backend == "inductor":
+        if device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise TDLMError(f"compile={value!r}: inductor needs triton for {device}, which this torch lacks; "
+                                f"install triton or use compile=False")  # fmt: skip
+        elif device.type == "cpu":
+            try:
+                from torch._inductor.cpp_builder import get_cpp_compiler
+
+                get_cpp_compiler()
+            except Exception as e:  # noqa: BLE001 - any failure means inductor cannot build CPU kernels here
+                raise TDLMError(f"compile={value!r}: inductor on cpu needs a C++ compiler ({e}); install g++ or use "
+                                f"compile=False") from None  # fmt: skip
+        else:
+            raise TDLMError(f"compile={value!r}: this tdlm compiles with inductor on cpu and cuda only, not "
+                            f"{device.type}; use compile=False")  # fmt: skip
+    return backend, mode
+
+
+def _backbone_eval(backbone: Backbone, x, attention_mask, positions, kv):
+    return backbone(x, attention_mask=attention_mask, select=positions, kv=kv)
+
+
+def compiled_steps(backend: str, mode: str | None):
+    """(backbone step, TDLM step) compiled with fullgraph=True, one pair per (backend, mode) per process.
+
+    The backbone step is ``backbone(x, attention_mask, select=positions, kv)``; the TDLM step is
+    :meth:`tdlm.TDLM.evaluate_groups`. Dynamo caches graphs per step kind under guards on the structure of
+    the arguments (refresh / window, rows split or not, padded or not) and on shapes; nothing in the
+    arguments changes from one evaluation of a kind to the next."""
+    key = (backend, mode)
+    if key not in _COMPILED:
+        kw = {"fullgraph": True, "backend": backend, **({"mode": mode} if mode else {})}
+        _COMPILED[key] = (torch.compile(_backbone_eval, **kw), torch.compile(TDLM.evaluate_groups, **kw))
+    return _COMPILED[key]
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @torch.inference_mode()
@@ -179,6 +285,22 @@ def decode(
     ``overrides`` set :class:`DecodeConfig` fields (``policy=``, ``threshold=`` ...); unknown names
     are errors. ``policy="tdlm"`` needs a :class:`TDLM`; other policies run the plain backbone (a
     TDLM's own backbone if one is given).
+
+    The step is static: within a block every evaluation has the same shapes (the LM head gathers the
+    block's positions by index, the temporal history is preallocated with C = gen_length slots, or k for
+    ``last:k``, and its validity is a mask; padding is an always-present mask, or None when no row is
+    padded). The host reads the device once per evaluation: the stop check, which also brings back each
+    row's next active block (the host decides refresh / window from it) and its masked count (progress).
+    ``record_states=True`` adds a read of the states. With ``compile`` each step kind is one
+    ``fullgraph=True`` graph: backbone / TDLM x {uncached, refresh, prefix window, dual window} x
+    {unpadded, padded}, and a refresh of some rows next to a window step of the others (batches only).
+    Per decode of one request batch a kind compiles at most twice more: once when its first call differs
+    (the spatial KV cache's first refresh allocates its storage; a prefix window's width changes with the
+    block, after which dynamo makes it dynamic) and once when rows leave the batch (the batch size becomes
+    dynamic). So batch 1, 256 tokens in blocks of 32: at most 3 graphs uncached, 4 with a cache, whatever
+    the number of steps or blocks. ``seconds`` exclude compilation: the wall time of every evaluation
+    during which a graph was compiled is subtracted (with ``reduce-overhead`` the CUDA graph recording of
+    the first calls is not: decode once to warm up, then time).
     """
     try:
         cfg = dataclasses.replace(config or DecodeConfig(), **overrides).validate()
@@ -198,12 +320,27 @@ def decode(
         if cfg.cache == "dual" and cfg.policy == "tdlm" and model.policy.recurrent:
             raise TDLMError(f"cache='dual' cannot serve history {model.policy} (its latents keep one progress count "
                             f"per request); allowed caches with it: none, prefix")  # fmt: skip
+    device = next(backbone.parameters()).device
+    spec = check_compile(cfg.compile, device)
+    if spec is not None and cfg.policy == "tdlm" and model.policy.recurrent:
+        raise TDLMError(f"compile={cfg.compile!r} does not cover history {model.policy} (a recurrent latent "
+                        f"memory); decode it with compile=False")  # fmt: skip
     if not prompts:
         return []
     bad = [i for i, p in enumerate(prompts) if len(p) == 0]
     if bad:
         raise TDLMError(f"decode: prompt(s) {bad} are empty; every request needs at least one prompt token")
-    device = next(backbone.parameters()).device
+    if spec is None:
+        return _decode(model, backbone, prompts, cfg, device, None, tokenizer, stop_ids, progress, record_states)
+    steps = compiled_steps(*spec)
+    limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit, suppress_errors=False):
+        return _decode(model, backbone, prompts, cfg, device, steps, tokenizer, stop_ids, progress, record_states)
+
+
+def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch.device, steps, tokenizer,
+            stop_ids, progress: bool, record_states: bool) -> list[DecodeResult]:  # fmt: skip
+    backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
     mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
     stops = set(stop_ids) if stop_ids is not None else {backbone.eos_token_id}
     B = len(prompts)
@@ -215,47 +352,54 @@ def decode(
         ids[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long, device=device)
         am[i, P - len(p) :] = 1
     ids[:, P:] = mask_id
-    padded = bool((am == 0).any())
+    padded = any(len(p) < P for p in prompts)  # known on the host: no device read
     reveal = torch.zeros((B, G), dtype=torch.long, device=device)
     nfe = torch.zeros(B, dtype=torch.long, device=device)
     seconds = [0.0] * B
     states: list[list[list[int]]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)
-    cache = model.new_cache(B) if cfg.policy == "tdlm" else None
+    rows_host = list(range(B))  # the active rows, host mirror of `active`
+    blk_host = [0] * B  # each active row's active block (all masked at the start: block 0)
+    kv_host = [-1] * B  # the block each active row's spatial KV cache holds
+    left = [G] * B  # masked response positions of each active row (progress)
+    cache = model.new_cache(B, length=G) if cfg.policy == "tdlm" else None
     kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
-    kv_block = torch.full((B,), -1, dtype=torch.long, device=device)  # the block each row's KV cache holds
     pos_block = torch.arange(G, device=device) // bs  # (G,)
+    block_pos = torch.arange(bs, device=device)
     stop_t = torch.tensor(sorted(stops), device=device)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=B * G, desc=f"decode[{cfg.policy}]", unit="tok", leave=False)
+    excluded = 0.0  # wall seconds of evaluations that compiled a graph
     _sync(device)
     t0 = time.perf_counter()
-    while active.numel():
+    while rows_host:
+        t_eval, graphs = time.perf_counter(), _graphs_compiled()
         x = ids[active]  # (b, L)
+        b = len(rows_host)
         a_mask = am[active] if padded else None
         if record_states:
-            for r, row in zip(active.tolist(), x[:, P:].tolist(), strict=True):
+            for r, row in zip(rows_host, x[:, P:].tolist(), strict=True):
                 states[r].append(row)
         resp = x[:, P:]  # (b, G)
         masked = resp == mask_id
-        blk = masked.int().argmax(1)  # first masked position ...
-        blk = pos_block[blk]  # ... gives the active block (b,)
+        blk = pos_block[masked.int().argmax(1)]  # the first masked position gives the active block (b,)
         start = blk * bs
-        idx = start[:, None] + torch.arange(bs, device=device)  # (b, bs) response positions of the block
+        idx = start[:, None] + block_pos  # (b, bs) response positions of the block
         cand = masked.gather(1, idx)
-        select = torch.zeros_like(x, dtype=torch.bool).scatter_(1, P + idx, True)  # the logits read
-        groups = _groups(kv_cache, kv_block, active, blk, P + start, bs, L, backbone.logit_shift)
+        positions = P + idx  # (b, bs) canvas positions whose logits are read
+        groups = _groups(kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
+                         backbone.logit_shift)  # fmt: skip
         if cache is not None:
             outs = model.forward_groups(P, cache, [
-                StepGroup(_rows(x, r), _rows(a_mask, r), _rows(select, r), step, r) for r, step in groups
-            ])  # fmt: skip
+                StepGroup(_rows(x, r), _rows(a_mask, r), _rows(positions, r), step, r) for r, step in groups
+            ], evaluate=evaluate)  # fmt: skip
         else:
-            outs = [backbone(_rows(x, r), attention_mask=_rows(a_mask, r), select=_rows(select, r), kv=step)
+            outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
                     for r, step in groups]  # fmt: skip
-        blk_logits = _merge_logits(groups, outs, x.shape[0], bs)  # (b, bs, V)
+        blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
         nfe[active] += 1
         logp = torch.log_softmax(blk_logits.double(), dim=-1)
         conf, x0 = logp.max(-1)
@@ -280,35 +424,46 @@ def decode(
             still = new_resp == mask_id
         ids[active, P:] = new_resp
         reveal[active] = rows_reveal
+        # The one host synchronisation of the evaluation: which rows are done, each row's next active block
+        # and its masked count.
+        count = still.sum(1)
+        done_l, next_l, left_l = torch.stack([count == 0, pos_block[still.int().argmax(1)], count]).tolist()
+        now = time.perf_counter()
+        if _graphs_compiled() != graphs:
+            excluded += now - t_eval
         if bar is not None:
-            bar.update(int((masked.sum() - still.sum()).item()))
-        done = ~still.any(1)
-        if bool(done.any()):
-            _sync(device)
-            now = time.perf_counter() - t0
-            for r in active[done].tolist():
-                seconds[r] = now
-            keep = (~done).nonzero().flatten()
-            active = active[keep]
-            if cache is not None and active.numel():
-                cache.select(keep)
-            if kv_cache is not None and active.numel():
-                kv_cache.select(keep)
+            bar.update(sum(left) - sum(left_l))
+        left, blk_host = left_l, next_l
+        if any(done_l):
+            for r, d in zip(rows_host, done_l, strict=True):
+                if d:
+                    seconds[r] = now - t0 - excluded
+            keep = [i for i, d in enumerate(done_l) if not d]
+            rows_host = [rows_host[i] for i in keep]
+            blk_host, kv_host, left = [blk_host[i] for i in keep], [kv_host[i] for i in keep], [left[i] for i in keep]
+            if rows_host:
+                keep_t = _index(keep, device)
+                active = active[keep_t]
+                if cache is not None:
+                    cache.select(keep_t)
+                if kv_cache is not None:
+                    kv_cache.select(keep_t)
     if bar is not None:
         bar.close()
     results = []
+    all_tokens, all_nfe, all_reveal = ids[:, P:].tolist(), nfe.tolist(), reveal.tolist()  # three reads in all
     for i, p in enumerate(prompts):
-        toks = ids[i, P:].tolist()
+        toks = all_tokens[i]
         cut = next((j for j, t in enumerate(toks) if t in stops), len(toks))
         text = tokenizer.decode(toks[:cut], skip_special_tokens=True) if tokenizer is not None else ""
         results.append(
             DecodeResult(
                 tokens=toks,
                 text=text,
-                nfe=int(nfe[i]),
+                nfe=all_nfe[i],
                 seconds=seconds[i],
-                reveal_step=reveal[i].tolist(),
-                T=int(nfe[i]),
+                reveal_step=all_reveal[i],
+                T=all_nfe[i],
                 prompt_ids=[int(t) for t in p],
                 states=states[i] if record_states else None,
             )

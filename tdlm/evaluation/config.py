@@ -40,29 +40,32 @@ RUN_ORDER = ("original", "threshold", "entropy", "tdlm")  # the paper's Table 1 
 class EvalConfig:
     """One evaluation job (``eval/run.py`` sets every field; YAML files in ``configs/eval_*.yaml``)."""
 
-    backbone: str  # preset (tiny-llada) or checkpoint folder
+    backbone: str  # preset (tiny-llada, tiny-dream), shipped backbone (tiny-arith, tiny-multi) or checkpoint folder
     output_dir: str  # runs/<task>/<run>/..., summary.json, table.md, pareto_*.png
-    tasks: list[str] = field(default_factory=lambda: ["gsm8k"])
-    policies: list[str] | None = None  # None: original + threshold (+ tdlm when adapters are given)
+    tasks: list[str] = field(default_factory=lambda: ["gsm8k"])  # benchmarks (gsm8k, math500, mbpp, arith, multi)
+    policies: list[str] | None = None  # commit rules; None: original + threshold (+ tdlm when adapters are given)
     adapters: list[str] = field(default_factory=list)  # "DIR" or "LABEL=DIR" (TDLM.save_adapter folders)
     thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.threshold])  # tau of threshold
     tdlm_thresholds: list[float] | None = None  # tau of tdlm; None = thresholds (Dream: TDLM 0.95)
-    entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.entropy_threshold])
+    entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.entropy_threshold])  # H of entropy
     histories: list[str] | None = None  # tdlm history restriction; None = each adapter's trained one
     caches: list[str] = field(default_factory=lambda: ["none"])  # spatial KV caches: none | prefix | dual
     cache_policies: list[str] | None = None  # policies run with each of `caches`; None = all (others: none)
-    gen_length: int = DecodeConfig.gen_length
-    block_size: int = DecodeConfig.block_size
-    stop_at_eos: bool = DecodeConfig.stop_at_eos
+    gen_length: int = DecodeConfig.gen_length  # response tokens (the canvas)
+    block_size: int = DecodeConfig.block_size  # semi-autoregressive block size
+    stop_at_eos: bool = DecodeConfig.stop_at_eos  # stop a request once EOS is committed (paper: off)
     limit: int | None = None  # first N problems of each task
-    data_dir: str | None = None  # benchmark JSONL dir; None = $TDLM_DATA_DIR, Hub, ../shared/benchmarks
+    data_dir: str | None = None  # benchmark JSONL dir; None = $TDLM_DATA_DIR, the Hub, data/benchmarks
     chat: bool = True  # prompts through the backbone's chat template
     dtype: str | None = None  # float32 | bfloat16 | float16; None = checkpoint's torch_dtype
     device: str | None = None  # in-process worker device; None = cuda if available else cpu
     batch_size: int = 1  # prompts per decode call (paper latency: 1)
     warmup: int = 1  # untimed decodes per worker and run before the timed ones
+    # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); the warm-up
+    # decodes compile, so timed seconds exclude compilation
+    compile: bool | str = DecodeConfig.compile
     # run settings (may change on resume)
-    workers: int | None = None  # None = one per visible GPU (min 1); 1 = in-process, no Ray
+    workers: int | None = None  # shards / Ray actors; None = one per visible GPU (min 1); 1 = in-process, no Ray
     threads: int | None = None  # torch threads per CPU worker (Ray CPU actors reserve this many CPUs)
     ray_address: str | None = None  # None = RAY_ADDRESS, else a fresh local cluster
     max_restarts: int = 2  # Ray restarts of a dead actor ...
@@ -76,6 +79,9 @@ class EvalConfig:
     score_workers: int = 2  # Math-Verify processes / sandbox threads
     code_timeout_s: float = 30.0  # sandbox wall clock per MBPP program (generous: shared machines are loaded)
     code_cpu_s: int = 11  # sandbox CPU seconds per MBPP program (the real compute budget)
+    # MBPP scoring fails closed: it refuses to start when the sandbox lacks a guarantee (no user namespaces, no
+    # cgroup / seccomp ...); True scores anyway and records the weakened guarantees in every sample row
+    allow_weak_sandbox: bool = False
     reference_tau: float = DecodeConfig.threshold  # threshold baseline of the "vs threshold" speedup
 
     # -- checks --------------------------------------------------------------------------------
@@ -164,7 +170,8 @@ class EvalConfig:
 
     def decode_settings(self) -> dict:
         """The decode fields shared by every run (policy and thresholds are per run)."""
-        return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos}
+        return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos,
+                "compile": self.compile}  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -325,23 +325,22 @@ def _code_limits(cfg: EvalConfig):
 
 
 def check_sandbox(cfg: EvalConfig, plans: list[Plan]) -> dict | None:
-    """For a job with code tasks: probe the sandbox once (:func:`tdlm.evaluation.sandbox.isolation_support`) and
-    warn up front,
-    naming each protection this machine does not grant. Returns the probe (recorded in the job's summary.json)."""
-    from tdlm.evaluation.sandbox import isolation_support
+    """For a job with code tasks, before anything is decoded: probe the sandbox once
+    (:func:`tdlm.evaluation.sandbox.require_sandbox`) and fail closed: raise its one-line refusal (what the kernel
+    refused, how to get it) when a guarantee is missing, unless ``cfg.allow_weak_sandbox`` (then warn; every code
+    row records ``sandbox_weakened``). Returns the probe (the job's summary.json; its ``level`` goes into each code
+    run's summary and W&B config)."""
+    from tdlm.evaluation.sandbox import require_sandbox
     from tdlm.evaluation.scoring import CODE_TASKS
 
     if not any(p.task.name in CODE_TASKS for p in plans):
         return None
-    support = isolation_support(_code_limits(cfg))
-    notes = f" ({'; '.join(support['notes'])})" if support["notes"] else ""
-    if not support["works"]:
-        log.warning("sandbox: a trivial program does not run; every code sample will score as an error%s", notes)
-    elif support["missing"]:
-        log.warning("sandbox: code samples get less isolation than designed on this machine; missing: %s%s",
-                    "; ".join(support["missing"]), notes)  # fmt: skip
+    support = require_sandbox(_code_limits(cfg), cfg.allow_weak_sandbox)  # raises TDLMError when not allowed
+    if support["missing"]:
+        log.warning("sandbox: scoring with weakened guarantees (allow_weak_sandbox): missing %s (%s)",
+                    ", ".join(support["missing"]), "; ".join(support["notes"]) or "no notes")  # fmt: skip
     else:
-        log.info("sandbox: full isolation (network, PID, IPC, private /tmp + read-only filesystem, /proc, uid)")
+        log.info("sandbox: full isolation (%s, %s)", support["backend"], support["mechanism"])
     return support
 
 
@@ -365,7 +364,8 @@ def _score_all(cfg: EvalConfig, plans: list[Plan], merged: list[list[dict]]) -> 
     if todo:
         problems = {(k, i): plans[k].task.problems[i] for k, i in todo}
         limits = _code_limits(cfg)
-        with Scorer(cfg.score_workers, sandbox=limits) as scorer, _bar(len(todo), "score") as bar:
+        with Scorer(cfg.score_workers, sandbox=limits, allow_weak_sandbox=cfg.allow_weak_sandbox) as scorer, \
+                _bar(len(todo), "score") as bar:  # fmt: skip
 
             def one(key: tuple[int, int]):
                 s = scorer.score(problems[key], merged[key[0]][key[1]]["generation"])
@@ -375,7 +375,8 @@ def _score_all(cfg: EvalConfig, plans: list[Plan], merged: list[list[dict]]) -> 
             with ThreadPoolExecutor(cfg.score_workers) as pool:
                 for (k, i), s in zip(todo, pool.map(one, todo), strict=True):
                     scored[k][i] = _sample(merged[k][i], {"extracted": s.extracted, "correct": s.correct,
-                                                          "status": s.status, "score_detail": s.detail})  # fmt: skip
+                                                          "status": s.status, "score_detail": s.detail,
+                                                          "sandbox_weakened": list(s.weakened)})  # fmt: skip
         errors = [scored[k][i] for k, i in todo if scored[k][i]["status"] == "error"]  # type: ignore[index]
         if errors:  # counted as wrong; the summaries' status_counts show them too
             log.warning("%d sample(s) could not be scored (first: %s)", len(errors), errors[0]["score_detail"])
@@ -391,6 +392,8 @@ def _sample(rec: dict, score: dict) -> dict:
         "score_detail": score.get("score_detail", ""), "nfe": rec["nfe"], "seconds": rec["seconds"],
         "prompt_tokens": rec.get("prompt_tokens"), "batch_size": rec.get("batch_size"),
         "device": worker.get("device_name") or worker.get("device"),
+        # code rows scored with allow_weak_sandbox: the sandbox guarantees this sample did not get
+        **({"sandbox_weakened": score["sandbox_weakened"]} if score.get("sandbox_weakened") else {}),
     }  # fmt: skip
 
 
@@ -424,7 +427,7 @@ def run_summary(cfg: EvalConfig, plan: Plan, samples: list[dict], bb_id: str) ->
 def _wandb_config(summary: dict, cfg: EvalConfig, group: str) -> dict:
     keys = ("backbone", "backbone_id", "task", "policy", "method", "threshold", "entropy_threshold", "history",
             "cache", "adapter", "adapter_label", "allocation", "trained_by", "gen_length", "block_size", "batch_size",
-            "dtype", "limit", "prompt_version")  # fmt: skip
+            "dtype", "limit", "prompt_version", "sandbox")  # fmt: skip
     return {**{k: summary.get(k) for k in keys}, "group": group, "output_dir": str(cfg.output_dir)}
 
 
@@ -434,7 +437,7 @@ NUMERIC = ("accuracy", "n", "correct", "nfe_mean", "nfe_median", "seconds_mean",
 
 def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> None:
     """``summary.json`` + one W&B run, unless an identical summary was already written (a no-op resume)."""
-    from tdlm.tracking import Tracker, run_tags, tag
+    from tdlm.tracking import Tracker, grid_tags, run_tags, tag
 
     path = Path(summary["run_dir"]) / SUMMARY
     if path.exists():
@@ -442,8 +445,11 @@ def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> 
             if json.loads(path.read_text()) == json.loads(json.dumps(summary)):
                 return
     alloc = summary.get("allocation") or {}
+    knob = summary.get("entropy_threshold") if summary["policy"] == "entropy" else summary.get("threshold")
     tags = run_tags(summary.get("backbone_id") or summary["backbone"], alloc.get("spec") or alloc.get("layers"),
-                    summary.get("history"), [tag("policy", summary["policy"]), *cfg.tags])
+                    summary.get("history"), [tag("policy", summary["policy"]), *grid_tags(
+                        task=summary["task"], tau=None if summary["policy"] == "original" else knob,
+                        cache=summary.get("cache") or "none"), *cfg.tags])
     tracker = Tracker(summary["run_dir"], cfg.project, group, f"{summary['task']}/{summary['name']}",
                       _wandb_config(summary, cfg, group), cfg.wandb_mode,
                       job_type="eval", tags=tags)  # fmt: skip
@@ -479,14 +485,62 @@ def log_comparison(cfg: EvalConfig, group: str, runs: list[dict], table: str, pl
     tracker.finish({"runs": len(runs), "table": "table.md"})
 
 
+def check_adapters_fit(cfg: EvalConfig) -> None:
+    """Before the first decode: every adapter must have been trained on this backbone (family, vocabulary, weight
+    fingerprint, width, depth), else the job would decode hours of baselines before a TDLM worker refused it.
+
+    The backbone is built on the meta device and its fingerprint read from the first row of each weight tensor in
+    the checkpoint files, so nothing is loaded; the rule is :meth:`tdlm.temporal.model.TDLM.from_adapter`'s.
+    """
+    from tdlm.models.fingerprints import weight_fingerprint_files
+    from tdlm.models.loading import PRESETS, _resolve_folder, _weight_files, load_backbone_meta
+    from tdlm.temporal.adapter_files import adapter_config_path
+
+    dirs = cfg.adapter_dirs()
+    if not dirs or "tdlm" not in cfg.resolved_policies():
+        return
+    meta = load_backbone_meta(cfg.backbone)
+    if cfg.backbone in PRESETS:
+        fingerprint = f"preset:{cfg.backbone}"
+    else:
+        names = {n for n, _ in meta.named_parameters()}
+        fingerprint = weight_fingerprint_files(_weight_files(_resolve_folder(cfg.backbone)), names)
+    for label, folder in dirs.items():
+        path = adapter_config_path(folder)
+        bb = read_adapter_config(folder).get("backbone") or {}
+        for key, want in (("hidden_size", meta.hidden_size), ("num_layers", meta.num_layers)):
+            if bb.get(key) != want:
+                raise TDLMError(f"{path}: adapter {label!r} was trained for backbone.{key}={bb.get(key)} "
+                                f"({bb.get('id')}); --backbone {cfg.backbone} has {key}={want}")
+        if cfg.allow_other_backbone:
+            continue
+        have = {"family": meta.family, "vocab_size": meta.vocab_size, "fingerprint": fingerprint}
+        differ = [f"{k}={bb[k]!r} (this backbone: {v!r})" for k, v in have.items()
+                  if bb.get(k) is not None and v is not None and bb[k] != v]
+        if differ:
+            raise TDLMError(f"{path}: adapter {label!r} was trained on backbone {bb.get('id')!r}, not --backbone "
+                            f"{cfg.backbone}: {'; '.join(differ)}; nothing was decoded; pass --allow-other-backbone "
+                            f"to attach it anyway")
+
+
+def _default_group(cfg: EvalConfig, out: Path) -> str:
+    from tdlm.tracking import experiment_group
+
+    what = {"backbone": cfg.backbone, "adapters": cfg.adapters, "tasks": cfg.tasks, "gen_length": cfg.gen_length,
+            "block_size": cfg.block_size, "limit": cfg.limit}
+    return experiment_group(None, out.name, what)
+
+
 # -- the job ------------------------------------------------------------------------------------------
 def evaluate(cfg: EvalConfig) -> EvalResult:
     """Run (or finish) the evaluation of ``cfg``; see the module docstring."""
     t0 = time.monotonic()
     cfg.validate()
     out = Path(cfg.output_dir).resolve()
-    group = cfg.group or out.name
+    check_adapters_fit(cfg)  # before plan_runs writes run.json files and long before the baselines decode
     plans = plan_runs(cfg)
+    # The experiment, not the folder name: explicit --group, else the folder and a hash of what is compared.
+    group = cfg.group or _default_group(cfg, out)
     W = num_workers(cfg)
     jobs, skipped = shard_jobs(cfg, plans, W)
     computed = sum(len(j.problems) for j in jobs)
@@ -512,6 +566,12 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     bb_id = backbone_id(cfg.backbone)
     runs = [run_summary(cfg, plan, samples, bb_id) for plan, samples in zip(plans, scored, strict=True)]
     compute_speedups(runs, cfg.reference_tau)
+    if sandbox is not None:  # the isolation level is part of each code run's record and W&B config
+        from tdlm.evaluation.scoring import CODE_TASKS
+
+        for plan, summary in zip(plans, runs, strict=True):
+            if plan.task.name in CODE_TASKS:
+                summary["sandbox"] = {k: sandbox[k] for k in ("level", "backend", "mechanism")}
     changed = False
     for plan, samples, summary in zip(plans, scored, runs, strict=True):
         _write_jsonl(plan.run_dir / SAMPLES, samples)

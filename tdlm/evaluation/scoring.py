@@ -24,12 +24,13 @@ main interpreter, and a SIGALRM handler cannot interrupt a long C-level SymPy ca
 
 MBPP: :func:`extract_code` takes the first fenced ```` ```python ```` block, else the first ```` ``` ```` block,
 else the raw text (an unterminated fence runs to the end: generations are cut at the token budget). Then
-``test_imports`` + code run as ``main.py`` and each assert of ``test_list`` runs after it, compiled on its own, in the
-same namespace (:func:`tdlm.evaluation.sandbox.run_python` with ``checks``); pass@1 means every assert ran and
-passed and the
-harness reached its end: exit status 0 *and* the run's secret completion token came back, so a sample that exits
-early with status 0 (``sys.exit(0)``, ``os._exit(0)``, ``raise SystemExit``, an exiting ``excepthook`` / ``atexit``
-hook) or kills its parent fails, as in the anchors' harnesses (human-eval counts these as failed / timed out).
+``test_imports`` + code run as ``main.py`` in :mod:`tdlm.evaluation.sandbox`; the sample only evaluates the calls
+into its code that the asserts of ``test_list`` make and sends the values back, and this process evaluates each
+assert with them (:func:`tdlm.evaluation.sandbox.split_asserts`). pass@1 means every assert held and the program
+exited 0. Code scoring fails closed: :class:`Scorer` refuses the first code sample (one line naming what the
+kernel refused) when the sandbox lacks a guarantee, unless ``allow_weak_sandbox``; then every :class:`Score` of
+code carries ``weakened`` (the guarantees it did not get). ``Score.detail`` for code is a short escaped excerpt,
+never the sample's full output.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdlm.errors import TDLMError
-from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, run_python
+from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, require_sandbox, run_python
 from tdlm.tasks.base import Problem
 
 MATH_TASKS = ("gsm8k", "math500", "arith", "multi")
@@ -71,6 +72,11 @@ class Score:
     seconds: float
     detail: str = ""
     sandbox: SandboxResult | None = None
+
+    @property
+    def weakened(self) -> tuple[str, ...]:
+        """The sandbox guarantees this code sample did not get (empty for math and for a full sandbox)."""
+        return self.sandbox.weakened if self.sandbox is not None else ()
 
 
 # --------------------------------------------------------------------------------------------------- math
@@ -159,14 +165,14 @@ def extract_code(text: str) -> str:
 
 def build_program(code: str, tests: Sequence[str], test_imports: Sequence[str] = ()) -> str:
     """``test_imports`` + ``code`` + ``tests`` as one script: the plain MBPP harness, for reading and reproducing a
-    result outside the sandbox. Scoring does not run this text (an early exit would pass it); it runs
-    :func:`build_setup` and then each test under the sandbox's harness (:func:`score_code`)."""
+    result outside the sandbox. Scoring does not run this text (the sample would judge itself); it runs
+    :func:`build_setup` in the sandbox and evaluates the asserts outside it (:func:`score_code`)."""
     parts = ["\n".join(test_imports), code, "\n".join(tests)]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
 def build_setup(code: str, test_imports: Sequence[str] = ()) -> str:
-    """``test_imports`` + ``code``: the ``main.py`` that runs before the tests."""
+    """``test_imports`` + ``code``: the ``main.py`` the sandbox runs before evaluating the asserts' calls."""
     parts = ["\n".join(test_imports), code]
     return "\n\n".join(p for p in parts if p) + "\n"
 
@@ -174,16 +180,16 @@ def build_setup(code: str, test_imports: Sequence[str] = ()) -> str:
 def score_code(
     completion: str, tests: Sequence[str], test_imports: Sequence[str] = (), limits: SandboxLimits | None = None
 ) -> Score:
-    """Extract the code from ``completion`` and run it, then each assert, in the sandbox. Thread-safe.
+    """Extract the code from ``completion``, run it in the sandbox and judge each assert outside it. Thread-safe.
 
-    Correct only if every assert ran and passed and the harness reached its end (``checks_completed``).
+    Correct only if every assert held (evaluated in this process with the values the sample sent back) and the
+    program exited 0. ``detail``: the sandbox's short escaped reason (first failed assert or last stderr line).
     """
     if not tests:
         raise TDLMError("score_code: tests is empty, expected at least one assert")
     code = extract_code(completion)
-    result = run_python(build_setup(code, test_imports), limits, checks=list(tests))
-    err = result.stderr.strip().splitlines()
-    return Score(result.passed, result.status, code, result.seconds, err[-1] if err else "", result)
+    result = run_python(build_setup(code, test_imports), limits, checks=list(tests), test_imports=list(test_imports))
+    return Score(result.passed, result.status, code, result.seconds, result.detail, result)
 
 
 def score(problem: Problem, completion: str, *, limits: SandboxLimits | None = None) -> Score:
@@ -277,7 +283,9 @@ class Scorer:
     Math goes to ``workers`` spawned processes (Math-Verify's ``signal.alarm`` timeouts work there, and a hard
     ``hard_timeout_s`` limit kills runaway SymPy); code runs in the sandbox from the calling thread. Workers start
     lazily on the first math call (each imports ``tdlm`` and Math-Verify: a few seconds). Use as a context manager
-    or call :meth:`close`; leftover workers are daemonic and also die with the interpreter.
+    or call :meth:`close`; leftover workers are daemonic and also die with the interpreter. Code scoring fails
+    closed: the first code sample raises :class:`TDLMError` (the sandbox's one-line refusal) when a sandbox guarantee
+    is missing, unless ``allow_weak_sandbox`` (then each code :class:`Score` records ``weakened``).
     """
 
     def __init__(
@@ -287,6 +295,7 @@ class Scorer:
         math_timeout_s: int = MATH_TIMEOUT_S,
         hard_timeout_s: float = HARD_TIMEOUT_S,
         sandbox: SandboxLimits | None = None,
+        allow_weak_sandbox: bool = False,
     ) -> None:
         if workers < 1:
             raise TDLMError(f"Scorer.workers: got {workers}, expected >= 1")
@@ -296,6 +305,7 @@ class Scorer:
         self.math_timeout_s = math_timeout_s
         self.hard_timeout_s = hard_timeout_s
         self.sandbox = sandbox or SandboxLimits()
+        self.allow_weak_sandbox = allow_weak_sandbox
         ctx = multiprocessing.get_context("spawn")
         self._all = [_Worker(ctx) for _ in range(workers)]
         self._idle: queue.Queue[_Worker] = queue.Queue()
@@ -317,6 +327,9 @@ class Scorer:
     def score(self, problem: Problem, completion: str) -> Score:
         """Score one completion; never raises for a bad completion (timeouts / crashes score as wrong)."""
         if problem.task in CODE_TASKS:
+            # fail closed: raises TDLMError (one line) if the sandbox lacks a guarantee and weak is not allowed;
+            # probed once per limits, so this costs nothing after the first code sample
+            require_sandbox(self.sandbox, self.allow_weak_sandbox)
             return score_code(completion, problem.tests, problem.test_imports, self.sandbox)
         if problem.task not in MATH_TASKS:
             raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")

@@ -33,21 +33,23 @@ class GenerationConfig:
     backbone: str  # preset name (tiny-llada) or checkpoint folder, readable on every node
     prompts: str  # local .jsonl/.json/.parquet file or Hugging Face dataset name
     output_dir: str  # shards + manifest.json; absolute path under `ray job submit`
-    prompt_field: str = "question"
+    prompt_field: str = "question"  # field / column holding the prompt text
     prompt_config: str | None = None  # Hugging Face dataset config
-    prompt_split: str = "train"  # Hugging Face dataset split; never an evaluation split by default
+    # Hugging Face dataset split (ignored for local files). The default, 'train', keeps teacher prompts out of the
+    # splits the evaluator scores
+    prompt_split: str = "train"
     num_prompts: int | None = None  # first N prompts of the source; None = all
     chat: bool = True  # wrap prompts in the tokenizer's chat template
     # Generate from problems the evaluator scores (GSM8K test, MATH-500, MBPP test, arith held-out)?
     # Refused unless set (tdlm.data.contamination); the manifest records what was found either way.
     allow_eval_prompts: bool = False
     # decoding (tdlm.DecodeConfig)
-    policy: str = DecodeConfig.policy
-    threshold: float = DecodeConfig.threshold
-    entropy_threshold: float = DecodeConfig.entropy_threshold
-    gen_length: int = DecodeConfig.gen_length
-    block_size: int = DecodeConfig.block_size
-    stop_at_eos: bool = DecodeConfig.stop_at_eos
+    policy: str = DecodeConfig.policy  # commit rule: original | threshold | tdlm | entropy
+    threshold: float = DecodeConfig.threshold  # confidence threshold tau of policies threshold / tdlm (Eq. 6)
+    entropy_threshold: float = DecodeConfig.entropy_threshold  # entropy bound H of policy entropy
+    gen_length: int = DecodeConfig.gen_length  # response tokens
+    block_size: int = DecodeConfig.block_size  # semi-autoregressive block size
+    stop_at_eos: bool = DecodeConfig.stop_at_eos  # stop a row once EOS is committed (the paper: off)
     cache: str = DecodeConfig.cache  # spatial KV cache: none | prefix | dual (tdlm/models/kv_cache.py)
     adapter: str | None = None  # TDLM adapter folder, needed by (and only by) policy 'tdlm'
     allow_other_backbone: bool = False  # attach an adapter trained on another backbone (tdlm.TDLM.from_adapter)
@@ -55,6 +57,8 @@ class GenerationConfig:
     shard_size: int = 256  # prompts per shard: shard i holds prompts [i*S, (i+1)*S)
     # run settings (may change on resume)
     batch_size: int = 16  # prompts per tdlm.decode call inside an actor
+    # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); tokens equal
+    compile: bool | str = DecodeConfig.compile
     actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
     cpus_per_actor: int = 1  # CPU actors: torch threads per replica
     address: str | None = None  # Ray cluster address; None = RAY_ADDRESS, else a fresh local cluster
@@ -72,6 +76,7 @@ class GenerationConfig:
             entropy_threshold=self.entropy_threshold,
             stop_at_eos=self.stop_at_eos,
             cache=self.cache,
+            compile=self.compile,
         )
 
     def prompt_source(self) -> PromptSource:
@@ -126,7 +131,7 @@ class GenerationConfig:
     def run_settings(self) -> dict:
         names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
                  "max_restarts", "max_task_retries", "max_shard_attempts", "allow_eval_prompts",
-                 "allow_other_backbone")  # fmt: skip
+                 "allow_other_backbone", "compile")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def to_dict(self) -> dict:

@@ -3,7 +3,7 @@
 Importing this package registers the model (``lm_eval.api.registry``). The harness's own CLI has no plugin hook for
 models, so ``python -m tdlm.harness`` is lm-eval's CLI with ``tdlm`` registered and the shipped tasks included::
 
-    python -m tdlm.harness --model tdlm --model_args backbone=GSAI-ML/LLaDA-8B-Instruct,\\
+    python -m tdlm.harness --model tdlm --model_args pretrained=GSAI-ML/LLaDA-8B-Instruct,\\
     adapter=me/tdlm-llada-16d,policy=tdlm,threshold=0.9,gen_length=256,block_size=32 \\
         --tasks tdlm_gsm8k --batch_size 8 --output_path runs/lm-eval
 

@@ -2,7 +2,11 @@
 
 ``--model_args`` (fields of :class:`HarnessConfig`)::
 
-    backbone=GSAI-ML/LLaDA-8B-Instruct,adapter=me/tdlm-llada-16d,policy=tdlm,threshold=0.9,gen_length=256,block_size=32
+    pretrained=GSAI-ML/LLaDA-8B-Instruct,adapter=me/tdlm-llada-16d,policy=tdlm,threshold=0.9,gen_length=256,block_size=32
+
+* ``pretrained=`` names the backbone as in the harness's own models (so ``--output_path`` gets a folder named after
+  it); ``backbone=`` is accepted as an alias. Every field is checked before a weight is loaded: an unknown key gets a
+  "did you mean", ranges are enforced (``threshold`` in [0, 1], ``entropy_threshold`` > 0, ...), one line each;
 
 * requests are decoded in batches of ``--batch_size`` (left-padded; each row counts its own NFE and leaves the batch
   when done, so a batch gives the tokens of per-request runs), longest prompts first;
@@ -14,8 +18,11 @@
   early (``stop_at_eos=true`` ends a request once its EOS is committed). ``gen_length`` is the canvas: a request's
   ``max_gen_toks`` does not change it. Sampling (``do_sample=true``, ``temperature > 0``) is refused: the policies
   are greedy;
-* NFE: every request's denoiser evaluations are counted; the mean per task (and NFE-per-token, seconds) is logged at
-  the end of each ``generate_until`` call and returned in ``results["config"]["tdlm"]`` (``get_model_info``);
+* NFE: every request's denoiser evaluations are counted. On the shipped ``tdlm_*`` tasks it is a metric, ``nfe``
+  (mean, with its standard error, in ``results`` and the printed table: each request's count is kept under its
+  document's (task, id) in :data:`NFE_BY_DOC` and read back by the task's ``process_results``); the mean per task
+  (and NFE-per-token, seconds) is also logged at the end of each ``generate_until`` call and returned in
+  ``results["config"]["tdlm"]`` (``get_model_info``), with the device the model really ran on;
 * ``loglikelihood`` / ``loglikelihood_rolling``: refused with one line. A masked-diffusion model has no exact
   left-to-right likelihood (LLaDA estimates a bound by Monte-Carlo masking), and a TDLM adapter conditions on the
   history of its own denoising steps, which scoring a fixed continuation does not have.
@@ -23,11 +30,12 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -37,10 +45,15 @@ from tdlm.errors import TDLMError
 
 log = logging.getLogger("lm_eval.models.tdlm")  # under the harness's own logger (its handler, its level)
 
+# (task, document id) -> denoiser evaluations of that request, read by tdlm/harness/tasks/utils.py:process_results.
+# The harness hands a task's process_results only the document and the response text, so the model leaves its count
+# here; one process serves both (the harness scores in the process that generated).
+NFE_BY_DOC: dict[tuple[str, str], int] = {}
+
 
 @dataclass
 class HarnessConfig:
-    backbone: str  # preset / shipped name, checkpoint folder, or a Hub id in the local HF cache
+    pretrained: str  # the backbone: preset / shipped name, checkpoint folder, or a Hub id in the local HF cache
     adapter: str | None = None  # adapter folder or Hub repo id (policy tdlm)
     policy: str | None = None  # original | threshold | entropy | tdlm; None = tdlm with an adapter, else threshold
     threshold: float = 0.9  # tau of threshold / tdlm
@@ -49,11 +62,54 @@ class HarnessConfig:
     block_size: int = 32
     history: str | None = None  # tdlm history restriction (None = the adapter's own)
     cache: str = "none"  # spatial KV cache: none | prefix | dual
+    compile: bool | str = False  # torch.compile the decode step: false | true | reduce-overhead (tdlm.DecodeConfig)
     stop_at_eos: bool = False
     chat: bool = True  # wrap a raw context as a user message through the chat template
     dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     allow_other_backbone: bool = False
     revision: str | None = None  # Hub revision of the adapter
+
+    def check(self) -> HarnessConfig:
+        """Range checks, one line each, before anything is loaded."""
+        def bad(field: str, want: str, got) -> TDLMError:
+            return TDLMError(f"--model_args {field}={got}: expected {want}")
+
+        if not 0.0 <= self.threshold <= 1.0:
+            raise bad("threshold", "a confidence in [0, 1]", self.threshold)
+        if not self.entropy_threshold > 0.0:
+            raise bad("entropy_threshold", "an entropy > 0 (nats)", self.entropy_threshold)
+        if self.gen_length < 1:
+            raise bad("gen_length", "an integer >= 1", self.gen_length)
+        if self.block_size < 1:
+            raise bad("block_size", "an integer >= 1", self.block_size)
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise bad("dtype", "float32, bfloat16 or float16", self.dtype)
+        return self
+
+
+_ALIASES = {"backbone": "pretrained"}
+
+
+def parse_model_args(args: dict) -> HarnessConfig:
+    """``--model_args`` as a dict -> :class:`HarnessConfig`; ``backbone=`` is an alias of ``pretrained=``; an unknown
+    key names its nearest valid key."""
+    args = dict(args)
+    for alias, name in _ALIASES.items():
+        if alias in args:
+            if name in args and args[name] is not None:
+                raise TDLMError(f"--model_args: give the backbone once (pretrained= or its alias {alias}=, not both)")
+            args[name] = args.pop(alias)
+    if args.get("pretrained") in (None, ""):
+        raise TDLMError("--model_args: pretrained=<backbone> is required (a preset such as tiny-multi, a checkpoint "
+                        "folder or a Hub id)")
+    valid = [f.name for f in fields(HarnessConfig)] + list(_ALIASES)
+    for key in args:
+        if key not in valid:
+            near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TDLMError(f"--model_args: unknown key {key!r}{hint} (valid: {', '.join(valid)})")
+    args["pretrained"] = str(args["pretrained"])
+    return from_dict(HarnessConfig, args, "--model_args").check()
 
 
 def _batch_size(value) -> int:
@@ -68,8 +124,8 @@ def _batch_size(value) -> int:
 class TDLMHarnessLM(LM):
     """A backbone (and TDLM adapter) decoded by :func:`tdlm.decode`; see the module docstring."""
 
-    def __init__(self, backbone: str, batch_size: int | str = 1, max_batch_size: int | None = None,
-                 device: str | None = None, **model_args) -> None:
+    def __init__(self, batch_size: int | str = 1, max_batch_size: int | None = None, device: str | None = None,
+                 **model_args) -> None:
         super().__init__()
         import torch
 
@@ -78,7 +134,7 @@ class TDLMHarnessLM(LM):
         from tdlm.models.loading import load_backbone
         from tdlm.temporal.model import TDLM
 
-        self.config = from_dict(HarnessConfig, {"backbone": str(backbone), **model_args}, "--model_args")
+        self.config = parse_model_args(model_args)
         c = self.config
         policy = c.policy or ("tdlm" if c.adapter else "threshold")
         if policy == "tdlm" and not c.adapter:
@@ -87,19 +143,20 @@ class TDLMHarnessLM(LM):
             raise TDLMError(f"--model_args: adapter= is used by policy=tdlm only; policy is {policy}")
         self.decode_config = DecodeConfig(policy=policy, gen_length=c.gen_length, block_size=c.block_size,
                                           threshold=c.threshold, entropy_threshold=c.entropy_threshold,
-                                          stop_at_eos=c.stop_at_eos, cache=c.cache).validate()
+                                          stop_at_eos=c.stop_at_eos, cache=c.cache,
+                                          compile=c.compile).validate()  # fmt: skip
         self.batch_size_per_call = _batch_size(batch_size)
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             if device is not None:  # the harness's default is cuda:0; as its HF model does, fall back to the CPU
                 log.warning("--device %s: no CUDA device here; decoding on the CPU", device)
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
-        bb = load_backbone(c.backbone, dtype=c.dtype, device=self._device)
+        bb = load_backbone(c.pretrained, dtype=c.dtype, device=self._device)
         self.model = bb
         if policy == "tdlm":
             self.model = TDLM.from_pretrained(bb, c.adapter, history=c.history, revision=c.revision,
                                               allow_other_backbone=c.allow_other_backbone)
-        self.tokenizer = load_tokenizer(c.backbone)
+        self.tokenizer = load_tokenizer(c.pretrained)
         self.stop_ids = stop_token_ids(self.tokenizer, bb.eos_token_id)
         self._harness_chat = False  # set once the harness renders contexts through apply_chat_template
         self._warned: set[str] = set()
@@ -112,7 +169,7 @@ class TDLMHarnessLM(LM):
 
     @property
     def tokenizer_name(self) -> str:
-        return self.config.backbone.replace("/", "__")
+        return self.config.pretrained.replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         return getattr(self.tokenizer, "chat_template", None) if chat_template else None
@@ -123,7 +180,7 @@ class TDLMHarnessLM(LM):
                                                   add_generation_prompt=add_generation_prompt)
 
     def get_model_info(self) -> dict:
-        return {"tdlm": {**asdict(self.config), "policy": self.decode_config.policy,
+        return {"tdlm": {**asdict(self.config), "policy": self.decode_config.policy, "device": str(self._device),
                          "batch_size": self.batch_size_per_call, "decode_stats": self.decode_stats()}}
 
     def decode_stats(self) -> dict:
@@ -193,6 +250,9 @@ class TDLMHarnessLM(LM):
                         text = text.split(stop, 1)[0]
                     out[i] = text
                     self.stats[task].append((r.nfe, r.seconds, len(r.tokens)))
+                    doc = req.doc if isinstance(req.doc, dict) else {}
+                    if "task" in doc and "id" in doc:
+                        NFE_BY_DOC[(str(doc["task"]), str(doc["id"]))] = int(r.nfe)
                     self.cache_hook.add_partial("generate_until", req.args, text)
                 bar.update(len(batch))
         for task, st in self.decode_stats().items():

@@ -62,7 +62,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+    """x rotated by the tables, computed in the tables' dtype when it is wider (full-precision RoPE), returned in
+    x's dtype."""
+    work = x.to(cos.dtype) if cos.dtype != x.dtype else x
+    return (work * cos + rotate_half(work) * sin).to(x.dtype)
 
 
 @dataclass
@@ -82,9 +85,18 @@ class ForwardContext:
 def bidirectional_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """Full (non-causal) SDPA; q (B, H, L, hd), k/v (B, Hkv, L, hd). Padding keys are excluded."""
-    enable_gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False, enable_gqa=enable_gqa)
+    """Full (non-causal) SDPA; q (B, H, L, hd), k/v (B, Hkv, L, hd). Padding keys are excluded.
+
+    Grouped-query attention (Hkv < H) uses SDPA's ``enable_gqa`` only without a mask: a mask together with
+    ``enable_gqa`` is not served by the fused kernels and falls back to the math kernel, which materialises
+    the fp32 scores (B, H, L, L). With a mask the K/V heads are repeated instead (query head a reads KV head
+    a // (H / Hkv), as ``enable_gqa`` does), which keeps the fused kernels.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and attn_mask is not None:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False,
+                                          enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
 
 
 def spatial_attention(
@@ -129,6 +141,9 @@ class Backbone(nn.Module):
     hidden_size: int
     head_dim: int
     rope_theta: float
+    # Rotary embedding computed and applied in float32 whatever the compute dtype (LLaDA's release:
+    # rope_full_precision=True); False = tables rounded to the compute dtype (Qwen2 / Dream's release).
+    rope_full_precision: bool = False
     backbone_id: str = ""
     supports_kv_cache: bool = False  # blocks call spatial_attention with their layer index (tdlm/models/kv_cache.py)
 
@@ -204,17 +219,24 @@ class Backbone(nn.Module):
                 )
             am = attention_mask.to(torch.bool)
             pos = (am.long().cumsum(-1) - 1).clamp(min=0)
-            mask = None if bool(am.all()) else am[:, None, None, :]
+            # A given mask is always applied (an all-ones one changes nothing): testing for padding would
+            # synchronise with the host and give a compiled step two shapes of graph. Callers without
+            # padding pass None.
+            mask = am[:, None, None, :]
         first = None if mask is None else am.long().argmax(-1)
         if kv is not None and not kv.refresh:
             where = kv.positions()  # (B, W)
             x = self.embed(input_ids.gather(1, where))
-            cos, sin = rope_cos_sin(pos.gather(1, where), self.head_dim, self.rope_theta, x.dtype)
+            cos, sin = rope_cos_sin(pos.gather(1, where), self.head_dim, self.rope_theta, self.rope_dtype(x.dtype))
             return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first, kv=kv,
                                      window_start=kv.start, canvas_len=L)  # fmt: skip
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta, self.rope_dtype(x.dtype))
         return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first, kv=kv)
+
+    def rope_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """dtype of the rotary tables for a forward computing in ``dtype`` (see ``rope_full_precision``)."""
+        return torch.promote_types(dtype, torch.float32) if self.rope_full_precision else dtype
 
     def layer(
         self, index: int, x: torch.Tensor, ctx: ForwardContext, insert: InsertFn | None = None
@@ -229,7 +251,8 @@ class Backbone(nn.Module):
     def head(
         self, x: torch.Tensor, ctx: ForwardContext | None = None, select: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Aligned logits: (B, L, V), or (S, V) for the S positions where ``select`` (B, L) is True.
+        """Aligned logits: (B, L, V), or (S, V) for the S positions where ``select`` (B, L) is True, or (B, S, V)
+        at the canvas positions of an integer ``select`` (B, S) (:meth:`_head_at`, static shapes).
 
         With ``select`` the LM head runs on the S hidden states that predict those positions only
         (gathered first, the logit shift applied to the gather), in row-major order of ``select``.
@@ -237,6 +260,8 @@ class Backbone(nn.Module):
         After a window step (spatial KV cache) ``select`` is over the canvas (B, canvas_len) and is
         required; every selected position must be predicted from inside the window.
         """
+        if select is not None and select.dtype != torch.bool:
+            return self._head_at(x, ctx, select)
         if ctx is not None and ctx.window_start is not None:
             if select is None or select.shape != (x.shape[0], ctx.canvas_len):
                 got = None if select is None else tuple(select.shape)
@@ -254,6 +279,19 @@ class Backbone(nn.Module):
             raise TDLMError(f"select must have shape {tuple(x.shape[:2])} (batch, length); got {tuple(select.shape)}")
         rows, pos = select.nonzero(as_tuple=True)
         return self.project(x[rows, self.source_positions(rows, pos, ctx)])  # (S, V)
+
+    def _head_at(self, x: torch.Tensor, ctx: ForwardContext | None, positions: torch.Tensor) -> torch.Tensor:
+        """Aligned logits (B, S, V) at canvas ``positions`` (B, S) int of each row: a gather by index, so the
+        shapes are static and nothing syncs with the host (the decode loop's path; a boolean ``select`` needs
+        ``nonzero``). After a window step the predicting hidden states must lie inside the window, which the
+        decode loop guarantees by construction (a block's positions and the window that covers them)."""
+        if positions.dim() != 2 or positions.shape[0] != x.shape[0]:
+            raise TDLMError(f"select positions must have shape (batch={x.shape[0]}, S); got {tuple(positions.shape)}")
+        rows = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(positions)
+        src = self.source_positions(rows, positions, ctx)
+        if ctx is not None and ctx.window_start is not None:
+            src = src - ctx.window_start[:, None]
+        return self.project(x[rows, src])  # (B, S, V)
 
     def forward(
         self,

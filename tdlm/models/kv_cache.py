@@ -66,7 +66,13 @@ class SpatialKVCache:
         if rows is None:
             if k.shape[0] != self.batch_size:
                 raise TDLMError(f"spatial KV cache holds {self.batch_size} rows; a refresh gave {k.shape[0]}")
-            self.keys[layer], self.values[layer] = k, v
+            if layer in self.keys and self.keys[layer].shape == k.shape:
+                # In place: the storage of one request batch stays put from block to block (a compiled
+                # refresh mutates its inputs instead of handing out new tensors; CUDA graphs need that).
+                self.keys[layer].copy_(k)
+                self.values[layer].copy_(v)
+            else:
+                self.keys[layer], self.values[layer] = k.clone(), v.clone()
             return
         if layer not in self.keys:
             self.keys[layer] = k.new_zeros((self.batch_size, *k.shape[1:]))
@@ -141,11 +147,16 @@ class KVStep:
         length: int,
         shift: int,
         rows: torch.Tensor | None = None,
+        host_starts: list[int] | None = None,
     ) -> KVStep:
-        """The window step of ``cache.mode`` for rows whose active blocks start at canvas ``block_start`` (b,)."""
+        """The window step of ``cache.mode`` for rows whose active blocks start at canvas ``block_start`` (b,).
+
+        ``host_starts``: the same starts as host ints, when the caller knows them (the decode loop does): a
+        ``prefix`` window's width is a shape, so reading it from the device would synchronise."""
         first = block_start - shift  # Dream: the hidden state left of the block predicts its first token
         if cache.mode == "dual":
             return cls(cache, False, rows, first, block_size + shift)
-        lo = int(first.min())
-        fresh_from = None if bool((first == lo).all()) else first
+        starts = host_starts if host_starts is not None else block_start.tolist()
+        lo = min(starts) - shift
+        fresh_from = None if len(set(starts)) == 1 else first
         return cls(cache, False, rows, torch.full_like(first, lo), length - lo, fresh_from)

@@ -34,6 +34,7 @@ class LLaDAConfig:
     embedding_size: int = 126464  # rows of wte / ff_out (>= vocab_size)
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
+    rope_full_precision: bool = True  # the release rotates q/k in fp32 when the model computes in bf16
     max_sequence_length: int = 4096
     mask_token_id: int = 126336
     eos_token_id: int = 126081
@@ -137,6 +138,7 @@ class LLaDA(Backbone):
         self.hidden_size = cfg.d_model
         self.head_dim = cfg.d_model // cfg.n_heads
         self.rope_theta = cfg.rope_theta
+        self.rope_full_precision = cfg.rope_full_precision
 
     @property
     def blocks(self) -> nn.ModuleList:  # type: ignore[override]

@@ -31,7 +31,7 @@ class SweepEvalConfig:
     block_size: int = 32
     batch_size: int = 1
     dtype: str | None = None  # None = the checkpoint's torch_dtype
-    data_dir: str | None = None  # benchmark JSONL dir (None = $TDLM_DATA_DIR, the Hub, ../shared/benchmarks)
+    data_dir: str | None = None  # benchmark JSONL dir (None = $TDLM_DATA_DIR, the Hub, data/benchmarks)
     workers: int | None = None  # None = one per visible GPU (at least 1; 1 = in-process)
     threads: int | None = None
 

@@ -40,7 +40,7 @@ def load_task(name: str, data_dir: str | os.PathLike[str] | None = None, limit: 
     """Load task ``name`` (one of :data:`TASK_NAMES`); ``limit`` keeps the first N problems of the split.
 
     With ``data_dir`` (or ``$TDLM_DATA_DIR``) the local JSONL file is used; otherwise the Hub when reachable and
-    ``HF_HUB_OFFLINE`` is unset, else the pinned copies in ``../shared/benchmarks``.
+    ``HF_HUB_OFFLINE`` is unset, else the pinned copies in ``data/benchmarks``.
     """
     try:
         loader = _LOADERS[name]

@@ -4,8 +4,9 @@ Loading order (:func:`load_records`), chosen so that evaluation never hangs on a
 
 1. ``data_dir`` argument, else the ``TDLM_DATA_DIR`` env var: read the local JSONL file only.
 2. ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` set, or a 3-second TCP probe of the Hub endpoint (or of the
-   HTTPS proxy) fails: read the local JSONL file from the default directory (``../shared/benchmarks`` beside the
-   repository checkout, the layout CI uses).
+   HTTPS proxy) fails: read the local JSONL file from the default directory (:func:`default_data_dir`: the copies
+   shipped in ``data/benchmarks`` of the checkout, else ``../shared/benchmarks`` beside it, the layout the project
+   was built in).
 3. Otherwise ``datasets.load_dataset(<hub id>, <config>, split=<split>)``; any error falls back to step 2.
 
 Every path checks the record count and the required fields, so a truncated or wrong file fails loudly with a
@@ -81,14 +82,27 @@ class DatasetSpec:
     hub_path: str
     hub_config: str | None
     hub_split: str
-    local_file: str  # file name inside the data dir, as in shared/benchmarks
+    local_file: str  # file name inside the data dir, as in data/benchmarks
     expected_count: int
     required_fields: tuple[str, ...]
 
 
+_CHECKOUT = Path(__file__).resolve().parents[2]
+SHIPPED_DATA_DIR = _CHECKOUT / "data" / "benchmarks"  # shipped in the repository (README there: sources, sha256)
+SHARED_DATA_DIR = _CHECKOUT.parent / "shared" / "benchmarks"  # the pinned copies beside the checkout
+
+
 def default_data_dir() -> Path:
-    """``<checkout>/../shared/benchmarks``: where the pinned JSONL copies sit beside the repository (CI layout)."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "benchmarks"
+    """The local benchmark folder used when neither ``data_dir`` nor ``$TDLM_DATA_DIR`` names one: the copies shipped
+    in ``data/benchmarks`` when that folder exists, else ``../shared/benchmarks`` beside the checkout.
+
+    The shipped copy comes first so that a clone works alone; the shared one stays as a fallback for an installed
+    package (no ``data/`` beside it) run next to the shared layout. When neither exists the shipped path is returned,
+    so the error of :func:`load_local` names where the files belong.
+    """
+    if SHIPPED_DATA_DIR.is_dir() or not SHARED_DATA_DIR.is_dir():
+        return SHIPPED_DATA_DIR
+    return SHARED_DATA_DIR
 
 
 def _env_true(name: str) -> bool:

@@ -15,10 +15,11 @@ the model learns the function name and signature; all asserts are run when scori
 
     Answer with a single ```python code block that contains the complete solution.
 
-Scoring (:func:`tdlm.evaluation.scoring.score_code`) runs ``test_imports`` + extracted code, then each assert of
-``test_list`` on its own, in :mod:`tdlm.evaluation.sandbox`; pass@1 means every assert ran and passed and the
-sandbox's harness
-reached its end (an early ``sys.exit(0)`` / ``os._exit(0)`` is a failure, as in the anchors' harnesses).
+Scoring (:func:`tdlm.evaluation.scoring.score_code`) runs ``test_imports`` + extracted code in
+:mod:`tdlm.evaluation.sandbox`; the sample only evaluates the calls into its code that the asserts of ``test_list``
+make, and the evaluator's own process evaluates each assert (parsed with :mod:`ast`) with the values it sent back.
+pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends no values,
+so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this way (tests/test_sandbox_hostile.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,14 @@ representations of the *same* position at the *same* layer:
 * Eq. (10): TempAttn = W_O concat_a z_a, W_O in R^{d x d_t}, zero-initialised (Prop. 1);
 * Eq. (2): h~ = h + m_{i,p} TempAttn(...), applied only at currently masked positions.
 
-Parameters per layer: 4 d d_t + 1 (three d_t x d projections, one d x d_t, one sink logit).
+Parameters per layer: 4 d d_t + 1 (the fused 3 d_t x d projection W_Q, W_K, W_V, one d x d_t, one sink logit).
+
+How it is computed (:class:`TemporalAttention`): at batch 1 on a GPU an evaluation is bound by kernel launches,
+so a layer issues few operations. One matmul gives [W_Q h; W_K h; W_V h]; one rotation applies R(r) to q and k
+(and the identity to v); one ``scaled_dot_product_attention`` evaluates Eq. 8-9 over the history with the sink
+as an extra key of zeros and value of zeros, whose score q.0 + b_l = b_l comes from an additive bias column (the
+history validity A_{p,i,j} is the rest of that bias: 0 or -inf); W_O and Eq. 2 are one batched multiply-add
+into h in place. Eq. 7-10 themselves are unchanged (tests/test_reference_math.py, tests/test_fused_attention.py).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import re
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tdlm.errors import TDLMError
@@ -31,13 +39,40 @@ def temporal_rope(x: torch.Tensor, r: torch.Tensor, base: float = 10000.0) -> to
 
     Half-split pairs (x_u, x_{u + d_h/2}) rotate by r * omega_u, omega_u = base^(-2u/d_h).
     """
-    d_h = x.shape[-1]
-    u = torch.arange(d_h // 2, device=x.device, dtype=torch.float64)
-    omega = base ** (-2.0 * u / d_h)  # (d_h/2,)
-    ang = r.to(torch.float64)[..., None, None] * omega  # (..., 1, d_h/2)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d_h // 2], x[..., d_h // 2 :]
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rope_rotate(x, rope_tables(r[..., None], x.shape[-1], base, x.dtype))
+
+
+def rope_tables(r: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of R(r) (Eq. 7) for revealed counts r: (*r.shape, d_h) each.
+
+    ``cos`` repeats cos(r omega_u) over both halves; ``sin`` is -sin(r omega_u) on the first half and +sin on
+    the second, so that :func:`rope_rotate` is x cos + swap_halves(x) sin. Angles are taken in float64 (r
+    reaches a few hundred, omega_0 = 1) and rounded once to ``dtype``.
+    """
+    u = torch.arange(head_dim // 2, device=r.device, dtype=torch.float64)
+    omega = base ** (-2.0 * u / head_dim)  # (d_h/2,)
+    ang = r.to(torch.float64)[..., None] * omega  # (*r, d_h/2)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+
+
+def rope_rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """R(r) x for x (..., d_h) and tables broadcastable to it (:func:`rope_tables`).
+
+    x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin on the half-split pairs (u, u + d_h/2) of LLaDA / Qwen RoPE;
+    rolling the last dim by d_h/2 swaps the halves, so the rotation is a product and a multiply-add.
+    """
+    cos, sin = tables
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+
+
+def qkv_rope_tables(
+    r: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables (*r.shape, 3, d_h) that rotate a fused [q; k; v] in one call: R(r) on q and k, identity on v
+    (cos 1, sin 0: v * 1 + swap(v) * 0 is v exactly)."""
+    cos, sin = rope_tables(r, head_dim, base, dtype)
+    return torch.stack((cos, cos, torch.ones_like(cos)), -2), torch.stack((sin, sin, torch.zeros_like(sin)), -2)
 
 
 def sink_softmax(scores: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
@@ -45,6 +80,7 @@ def sink_softmax(scores: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor
 
     scores (..., H), allowed (..., H) bool, sink scalar logit b_l. Returns weights (..., H) whose sum
     is 1 - pi_sink; disallowed entries get exactly zero weight. Computed in float32 at least.
+    (The unfused form of :func:`sink_attention`, kept for analyses that need the weights themselves.)
     """
     work = torch.promote_types(scores.dtype, torch.float32)
     s = scores.to(work).masked_fill(~allowed, float("-inf"))
@@ -53,8 +89,77 @@ def sink_softmax(scores: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor
     return w[..., 1:]
 
 
+def sink_bias(allowed: torch.Tensor, sink: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask (..., 1 + H) for :func:`sink_attention`: b_l in the sink column, then log 1 = 0
+    where an entry is allowed (A_{p,i,j} = 1, Section 2.3) and log 0 = -inf where not."""
+    return torch.cat((sink.to(dtype).expand(*allowed.shape[:-1], 1), allowed.to(dtype).log()), -1)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Eq. 8-9 as one ``scaled_dot_product_attention``: z = sum_j exp(e_j) / Z v_j, Z = exp(b_l) + sum_j exp(e_j).
+
+    q (*lead, M, Lq, d_h), k/v (*lead, M, H, d_h) (rotated, Eq. 7), ``bias`` (*lead, 1 | M, Lq, 1 + H) from
+    :func:`sink_bias`; at least one lead dim. The sink is an extra key of zeros (score q.0 / sqrt(d_h) + b_l
+    = b_l) with a zero value, prepended to the H entries: the softmax over the 1 + H scores is Eq. 8 and the
+    zero value removes the sink's share from Eq. 9. A disallowed entry has weight exp(-inf) = 0, and the sink
+    keeps every row finite (no empty softmax). Lead dims are flattened to the one batch dim that the fused
+    CPU/GPU kernels take. Returns z (*lead, M, Lq, d_h).
+    """
+    lead = q.shape[:-3]
+    k, v = F.pad(k, (0, 0, 1, 0)), F.pad(v, (0, 0, 1, 0))  # the sink's zero key and value in front
+    if bias.shape[: len(lead)] != lead:
+        bias = bias.expand(*lead, *bias.shape[len(lead) :])
+    if len(lead) > 1:
+        q, k, v, bias = (t.flatten(0, len(lead) - 1) for t in (q, k, v, bias))
+    z = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    return z.unflatten(0, lead) if len(lead) > 1 else z
+
+
+class _ProjectionView:
+    """W^Q_l, W^K_l or W^V_l as rows of the fused projection, read like the ``nn.Linear`` it used to be."""
+
+    def __init__(self, fused: nn.Linear, part: int, width: int) -> None:
+        self.fused, self.rows = fused, slice(part * width, (part + 1) * width)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.rows]
+
+    @property
+    def in_features(self) -> int:
+        return self.fused.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+QKV_PARTS = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_qkv_keys(state: dict) -> dict:
+    """``state`` (an adapter's tensors) with every triple ``<m>.q_proj.weight``, ``<m>.k_proj.weight``,
+    ``<m>.v_proj.weight`` of adapters written before the fused projection replaced by ``<m>.qkv.weight``
+    (3 d_t x d, rows in Q, K, V order); other keys unchanged."""
+    out = dict(state)
+    for key in state:
+        if not key.endswith(".q_proj.weight"):
+            continue
+        base = key[: -len("q_proj.weight")]
+        parts = [f"{base}{p}.weight" for p in QKV_PARTS]
+        if all(p in state for p in parts) and f"{base}qkv.weight" not in state:
+            out[f"{base}qkv.weight"] = torch.cat([out.pop(p) for p in parts], 0)
+    return out
+
+
 class TemporalAttention(nn.Module):
-    """One layer's temporal module: M heads of width d_h over a position's own history."""
+    """One layer's temporal module: M heads of width d_h over a position's own history.
+
+    Fused form of Eq. 7-10: one matmul projects Q, K and V (``qkv``, rows [W_Q; W_K; W_V], each head a's
+    rows a*d_h..(a+1)*d_h of its block), one rotation applies R(r) to q and k together, and one
+    ``scaled_dot_product_attention`` evaluates Eq. 8-9 with the sink as a zero key/value whose score is b_l
+    (:func:`sink_attention`). ``q_proj`` / ``k_proj`` / ``v_proj`` read the three blocks; state dicts with
+    the separate weights of earlier versions load (a load_state_dict pre-hook concatenates them).
+    """
 
     def __init__(self, hidden_size: int, heads: int, head_dim: int, rope_base: float = 10000.0) -> None:
         super().__init__()
@@ -62,44 +167,148 @@ class TemporalAttention(nn.Module):
             raise TDLMError(f"temporal head_dim must be even for temporal RoPE; got {head_dim}")
         self.heads, self.head_dim, self.rope_base = heads, head_dim, rope_base
         d_t = heads * head_dim
-        # Rows a*d_h:(a+1)*d_h of each weight are head a's W^Q_{l,a} / W^K_{l,a} / W^V_{l,a} (d_h x d).
-        self.q_proj = nn.Linear(hidden_size, d_t, bias=False)
-        self.k_proj = nn.Linear(hidden_size, d_t, bias=False)
-        self.v_proj = nn.Linear(hidden_size, d_t, bias=False)
+        self.qkv = nn.Linear(hidden_size, 3 * d_t, bias=False)  # [W^Q_l; W^K_l; W^V_l] (3 d_t x d)
         self.o_proj = nn.Linear(d_t, hidden_size, bias=False)  # W^O_l, zero at init
         self.sink = nn.Parameter(torch.zeros(1))  # b_l (1-D: ZeRO-3 cannot partition 0-d tensors)
+        self.register_load_state_dict_pre_hook(_fuse_legacy_qkv)
         self.reset_parameters()
+
+    @property
+    def q_proj(self) -> _ProjectionView:
+        return _ProjectionView(self.qkv, 0, self.heads * self.head_dim)
+
+    @property
+    def k_proj(self) -> _ProjectionView:
+        return _ProjectionView(self.qkv, 1, self.heads * self.head_dim)
+
+    @property
+    def v_proj(self) -> _ProjectionView:
+        return _ProjectionView(self.qkv, 2, self.heads * self.head_dim)
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            for lin in (self.q_proj, self.k_proj, self.v_proj):
-                nn.init.normal_(lin.weight, std=1.0 / math.sqrt(lin.in_features))
+            d_t, std = self.heads * self.head_dim, 1.0 / math.sqrt(self.qkv.in_features)
+            for part in range(3):  # one draw per block, in Q, K, V order (as three separate layers drew)
+                nn.init.normal_(self.qkv.weight[part * d_t : (part + 1) * d_t], std=std)
             nn.init.zeros_(self.o_proj.weight)
             self.sink.zero_()
 
+    # -- fused pieces --------------------------------------------------------------------------
+    def rope(self, r: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`qkv_rope_tables` of this layer for counts r (...) -> (..., 3, d_h)."""
+        return qkv_rope_tables(r, self.head_dim, self.rope_base, dtype or self.qkv.weight.dtype)
+
+    def step_rope(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for :meth:`step` at counts r (b,): (b, 1, 3, 1, d_h). The same for every temporal layer of
+        a model (one rope_base and d_h), so an evaluation computes them once."""
+        return tuple(t[:, None, :, None] for t in self.rope(r))  # type: ignore[return-value]
+
+    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """[W_Q h; W_K h; W_V h] of h (..., d) in one matmul -> (..., 3, M, d_h), not rotated."""
+        return self.qkv(h.to(self.qkv.weight.dtype)).unflatten(-1, (3, self.heads, self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Eq. 8-9 (:func:`sink_attention`) with ``allowed`` (*lead, 1 | M, Lq, H) bool as the history mask."""
+        return sink_attention(q, k, v, sink_bias(allowed, self.sink, q.dtype))
+
+    def states(self, h: torch.Tensor, r: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """Parallel mode: Eq. 7-9 for K states of a trajectory at once, keys from the same states.
+
+        h (B, K, N, d) before the correction, r (B, K) revealed counts, ``allowed`` (B, N, K_i, K_j) bool
+        (A_{p,i,j} = policy(i, j) m_{j,p}) -> z (B, K, N, d_t), the heads' outputs before W_O.
+        """
+        qkv = self.project_qkv(h).permute(0, 2, 3, 4, 1, 5)  # (B, N, 3, M, K, d_h)
+        tables = tuple(t.transpose(1, 2)[:, None, :, None] for t in self.rope(r))  # (B, 1, 3, 1, K, d_h)
+        x = rope_rotate(qkv, tables)  # q and k rotated by their state's r_i, in one call
+        z = self.attend(x[:, :, 0], x[:, :, 1], x[:, :, 2], allowed[:, :, None])  # (B, N, M, K, d_h)
+        return z.permute(0, 3, 1, 2, 4).flatten(-2)
+
+    def step(
+        self,
+        h: torch.Tensor,
+        r: torch.Tensor,
+        history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        own: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        masked: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Step-wise mode: one evaluation's Eq. 7-9 over a temporal cache, and its own entry.
+
+        h (b, N, d) before the correction, r (b,), ``history`` = keys, values (b, C, N, M, d_h) and validity
+        (b, C, N) of the C stored entries of each position (None: nothing stored yet, only the sink, so the
+        correction is exactly zero, Prop. 1). ``own`` (b, N) bool instead attends to this evaluation's own
+        entry where True (history ``current``). ``rope``: :meth:`step_rope` of r, if already computed.
+        ``masked`` (b, N, 1) = m_{i,p}: an unmasked query then sees the sink alone, so its z is exactly 0 and
+        Eq. 2's mask needs no multiply after the attention (:meth:`correct` with ``masked=None``).
+        Returns (z (b, N, d_t) or None, k, v (b, N, M, d_h)).
+        """
+        x = rope_rotate(self.project_qkv(h), rope if rope is not None else self.step_rope(r))  # (b, N, 3, M, d_h)
+        k, v = x[:, :, 1], x[:, :, 2]
+        if own is not None:
+            history = k[:, None], v[:, None], own[:, None]
+        if history is None:
+            return None, k, v
+        keys, values, valid = history
+        b, N, M, dh = h.shape[0], h.shape[1], self.heads, self.head_dim
+        q = x.view(b * N, 3, M, 1, dh)[:, 0]  # (b N, M, 1, d_h): one query per position and head
+        # (b, C, N, M, d_h) -> (b, N, M, 1 + C, d_h) with the sink's zero key / value in front: the pad is the
+        # one copy of the history
+        order, sink_row = (0, 2, 3, 1, 4), (0, 0, 1, 0)
+        keys = F.pad(keys.permute(order), sink_row).view(b * N, M, -1, dh)
+        values = F.pad(values.permute(order), sink_row).view(b * N, M, -1, dh)
+        allowed = valid.transpose(1, 2)  # (b, N, C)
+        if masked is not None:
+            allowed = allowed & masked
+        bias = sink_bias(allowed, self.sink, x.dtype).view(b * N, 1, 1, -1)
+        z = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # (b N, M, 1, d_h)
+        return z.view(b, N, M * dh), k, v
+
+    def latent(self, h: torch.Tensor, r: torch.Tensor, latents: torch.Tensor, r_latents: torch.Tensor) -> torch.Tensor:
+        """``latent:M``: Eq. 7-9 of h (b, N, d) at counts r (b,) over each position's latents (b, N, M_lat, d),
+        keys rotated by ``r_latents`` (broadcastable to (b, N, M_lat)), plus the sink; every latent allowed.
+        Returns z (b, N, d_t)."""
+        q = self.project_query(h, r[:, None])  # (b, N, M, d_h)
+        k, v = self.project_key_value(latents, r_latents)  # (b, N, M_lat, M, d_h)
+        every = torch.ones((), dtype=torch.bool, device=h.device).expand(*k.shape[:2], 1, 1, k.shape[2])
+        z = self.attend(q.unsqueeze(-2), k.transpose(2, 3), v.transpose(2, 3), every)  # (b, N, M, 1, d_h)
+        return z.flatten(-3)
+
+    def correct(
+        self, h: torch.Tensor, a: int, b: int, z: torch.Tensor, masked: torch.Tensor | None,
+        part: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Eq. 10 and Eq. 2 at rows a..b of h (B, L, d): h~ = h + m W_O z, z (B, b - a, d_t), ``masked``
+        (B, b - a, 1) = m_{i,p} (None: z is already 0 where m = 0); ``part`` = h[:, a:b] if the caller holds
+        it. m W_O z = W_O (m z) exactly (m is 0 or 1).
+
+        Without autograd the correction is added in place, one batched multiply-add into h (no copy of h);
+        with autograd out of place, since the projections saved the slice of h they read.
+        """
+        w = self.o_proj.weight
+        zm = z.to(w.dtype) if masked is None else z.to(w.dtype) * masked
+        part = h[:, a:b] if part is None else part
+        if torch.is_grad_enabled() or h.dtype != w.dtype:
+            return h.slice_scatter(part + F.linear(zm, w).to(h.dtype), 1, a, b)
+        part.baddbmm_(zm, w.t().expand(h.shape[0], -1, -1))
+        return h
+
     def project(self, h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (..., d), r broadcastable to h.shape[:-1] -> q, k, v (..., M, d_h), q/k rotated (Eq. 7)."""
-        shape = (*h.shape[:-1], self.heads, self.head_dim)
-        # One contiguous copy of the (strided) response slice, shared by the three projections: otherwise
-        # autograd saves a separate copy for each of W_Q, W_K, W_V.
-        x = h.to(self.q_proj.weight.dtype).contiguous()
-        q = self.q_proj(x).view(shape)
-        k = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape)
-        r = r.expand(h.shape[:-1])
-        return temporal_rope(q, r, self.rope_base), temporal_rope(k, r, self.rope_base), v
+        tables = tuple(t[..., None, :] for t in self.rope(r.expand(h.shape[:-1])))  # (..., 3, 1, d_h)
+        x = rope_rotate(self.project_qkv(h), tables)
+        return x[..., 0, :, :], x[..., 1, :, :], x[..., 2, :, :]
 
     def project_query(self, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """q = R(r) W_Q h (..., M, d_h) alone (Eq. 7), for memories whose keys are not entries of h."""
-        q = self.q_proj(h.to(self.q_proj.weight.dtype)).unflatten(-1, (self.heads, self.head_dim))
+        q = self.q_proj(h.to(self.qkv.weight.dtype)).unflatten(-1, (self.heads, self.head_dim))
         return temporal_rope(q, r.expand(h.shape[:-1]), self.rope_base)
 
     def project_key_value(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k = R(r) W_K x, v = W_V x (..., M, d_h) of memory vectors x (..., d) at progress r."""
-        x = x.to(self.k_proj.weight.dtype)
-        k = self.k_proj(x).unflatten(-1, (self.heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.heads, self.head_dim))
-        return temporal_rope(k, r.expand(x.shape[:-1]), self.rope_base), v
+        """k = R(r) W_K x, v = W_V x (..., M, d_h) of memory vectors x (..., d) at progress r (one matmul)."""
+        d_t = self.heads * self.head_dim
+        kv = F.linear(x.to(self.qkv.weight.dtype), self.qkv.weight[d_t:])
+        kv = kv.unflatten(-1, (2, self.heads, self.head_dim))
+        return temporal_rope(kv[..., 0, :, :], r.expand(x.shape[:-1]), self.rope_base), kv[..., 1, :, :]
 
     def output(self, z: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """z (..., M, d_h) -> W_O concat_a z_a (..., d) (Eq. 10), in the dtype of ``like``."""
@@ -108,6 +317,13 @@ class TemporalAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}, rope_base={self.rope_base}"
+
+
+def _fuse_legacy_qkv(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """load_state_dict pre-hook: separate W_Q / W_K / W_V of an older state dict -> the fused ``qkv.weight``."""
+    parts = [f"{prefix}{p}.weight" for p in QKV_PARTS]
+    if all(p in state_dict for p in parts) and f"{prefix}qkv.weight" not in state_dict:
+        state_dict[f"{prefix}qkv.weight"] = torch.cat([state_dict.pop(p) for p in parts], 0)
 
 
 def temporal_parameter_count(hidden_size: int, num_layers: int, heads: int, head_dim: int) -> int:

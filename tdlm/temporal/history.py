@@ -88,7 +88,7 @@ class HistoryPolicy:
 
 @dataclass
 class LayerHistory:
-    """Keys/values of one temporal layer: (B, cap, N, M, d_h) with validity (B, cap, N)."""
+    """Keys/values of one temporal layer: (B, C, N, M, d_h) with validity (B, C, N); C = the capacity."""
 
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -99,19 +99,28 @@ class LayerHistory:
 class TemporalCache:
     """Step-wise temporal memory of one decoding request batch.
 
-    Entry j holds, for every response position p, the rotated key and value of h_{l,p}(S_j) at each
-    temporal layer and whether p was masked in S_j. Entries are appended after each evaluation;
-    revealing a position invalidates all of its entries; changing blocks resets nothing.
-    Storage grows by doubling so that appending is amortised O(1) copies; ``last:k`` keeps only the
-    k newest entries.
+    Every response position p has its own ring of C slots per temporal layer: slot
+    ``count[b, p] % C`` receives the rotated key and value of h_{l,p}(S_i) when evaluation i computes p
+    while p is masked, and ``count`` then advances for p alone. So ``last:k`` (C = k) keeps the k most recent
+    evaluations *of that position* in every cache mode: under the dual cache a position outside the active
+    block is not computed by a window step and keeps its entries (Table 2's restriction, position by
+    position). ``full`` needs C >= the number of evaluations: :meth:`TDLM.new_cache` with ``length``
+    preallocates C = ``length`` (decoding reveals at least one token per evaluation); without it storage
+    starts at 8 slots and doubles on the host before an evaluation that could overflow it.
+
+    Validity is a mask, never a shape: every evaluation reads all C slots and attends where ``valid``
+    (A_{p,i,j} of Section 2.3), so the shapes of one request batch never change and a compiled step
+    neither recompiles nor syncs. Revealing a position invalidates all of its entries; changing blocks
+    resets nothing. Unwritten slots hold zeros (a masked-out zero entry contributes exactly 0).
     """
 
     batch_size: int
     policy: HistoryPolicy
     prompt_len: int | None = None
     length: int | None = None  # response positions N
-    n: int = 0  # entries stored (evaluations so far, after trimming for last:k)
-    steps: int = 0  # evaluations seen
+    steps: int = 0  # evaluations seen (host counter; never read inside a compiled step)
+    capacity: int = 0  # C: slots per position and layer (0 before allocation)
+    count: torch.Tensor | None = None  # (B, N) int64: entries ever written per position
     layers: dict[int, LayerHistory] = field(default_factory=dict)
 
     def check(self, batch_size: int, prompt_len: int, length: int) -> None:
@@ -125,52 +134,83 @@ class TemporalCache:
                 f"got prompt_len={prompt_len} with {length} (use a new cache per request batch)"
             )
 
+    @property
+    def n(self) -> int:
+        """Entries a position that was computed at every evaluation holds now (min(steps, C))."""
+        return min(self.steps, self.capacity) if self.layers else 0
+
+    def allocate(self, layers, length: int, heads: int, head_dim: int, dtype: torch.dtype, device,
+                 capacity: int | None = None) -> None:  # fmt: skip
+        """Allocate zeroed storage for ``layers`` at once: C = ``capacity`` (``full``), k (``last:k``)."""
+        if not self.policy.uses_cache:
+            return
+        if self.policy.kind == "last":
+            capacity = self.policy.k
+        elif capacity is None or capacity < 1:
+            raise TDLMError(f"history {self.policy} needs a capacity >= 1 (the most evaluations); got {capacity}")
+        B, shape = self.batch_size, (self.batch_size, capacity, length, heads, head_dim)
+        self.capacity = capacity
+        self.count = torch.zeros((B, length), dtype=torch.long, device=device)
+        for layer in layers:
+            self.layers[layer] = LayerHistory(
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros((B, capacity, length), dtype=torch.bool, device=device),
+            )
+
+    def reserve(self, evaluations: int) -> None:
+        """Host side, before an evaluation: grow ``full`` storage (doubling) so ``evaluations`` entries fit."""
+        if self.policy.kind != "full" or not self.layers or evaluations <= self.capacity:
+            return
+        grow = self.capacity
+        while self.capacity + grow < evaluations:
+            grow *= 2
+        for lh in self.layers.values():
+            lh.keys = torch.cat([lh.keys, lh.keys.new_zeros((lh.keys.shape[0], grow, *lh.keys.shape[2:]))], 1)
+            lh.values = torch.cat([lh.values, torch.zeros_like(lh.keys[:, self.capacity :])], 1)
+            lh.valid = torch.cat([lh.valid, lh.valid.new_zeros((lh.valid.shape[0], grow, lh.valid.shape[2]))], 1)
+        self.capacity += grow
+
     def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Keys, values (B, H, N, M, d_h) and validity (B, H, N) of the entries the policy exposes."""
+        """Keys, values (B, C, N, M, d_h) and validity (B, C, N) of every slot; None before allocation."""
         lh = self.layers.get(layer)
         if lh is None or lh.keys is None:
             return None
-        start, end = self.policy.window(self.n)
-        if end <= start:
-            return None
-        return lh.keys[:, start:end], lh.values[:, start:end], lh.valid[:, start:end]
+        return lh.keys, lh.values, lh.valid
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor) -> None:
-        """Store this evaluation's entry for ``layer``: k, v (B, N, M, d_h), masked (B, N)."""
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, written: torch.Tensor) -> None:
+        """Store this evaluation's entry for ``layer``: k, v (B, N, M, d_h) where ``written`` (B, N) (masked and
+        computed), each position in its own next slot; other slots and positions are left as they are."""
         if not self.policy.uses_cache:
             return
-        lh = self.layers.setdefault(layer, LayerHistory())
-        if lh.keys is None:
-            cap = 8 if self.policy.kind == "full" else self.policy.k
+        if layer not in self.layers:  # eager callers without preallocation: allocate on the first entry
             B, N, M, D = k.shape
-            lh.keys = k.new_empty(B, cap, N, M, D)
-            lh.values = v.new_empty(B, cap, N, M, D)
-            lh.valid = torch.zeros(B, cap, N, dtype=torch.bool, device=k.device)
-        if self.n >= lh.keys.shape[1]:
-            if self.policy.kind == "last":  # drop the oldest entry, keep k
-                lh.keys = lh.keys.roll(-1, dims=1)
-                lh.values = lh.values.roll(-1, dims=1)
-                lh.valid = lh.valid.roll(-1, dims=1)
-            else:
-                grow = lh.keys.shape[1]
-                lh.keys = torch.cat([lh.keys, torch.empty_like(lh.keys[:, :grow])], dim=1)
-                lh.values = torch.cat([lh.values, torch.empty_like(lh.values[:, :grow])], dim=1)
-                lh.valid = torch.cat([lh.valid, torch.zeros_like(lh.valid[:, :grow])], dim=1)
-        slot = min(self.n, lh.keys.shape[1] - 1)
-        lh.keys[:, slot] = k
-        lh.values[:, slot] = v
-        lh.valid[:, slot] = masked
+            cap = 8 if self.policy.kind == "full" else self.policy.k
+            if not self.layers:
+                self.capacity = cap
+                self.count = torch.zeros((B, N), dtype=torch.long, device=k.device)
+            shape = (B, self.capacity, N, M, D)
+            self.layers[layer] = LayerHistory(k.new_zeros(shape), v.new_zeros(shape),
+                                              torch.zeros(shape[:3], dtype=torch.bool, device=k.device))  # fmt: skip
+        lh = self.layers[layer]
+        slot = (self.count % self.capacity)[:, None]  # (B, 1, N)
+        w = written[:, None]  # (B, 1, N)
+        lh.valid.scatter_(1, slot, w | lh.valid.gather(1, slot))
+        ks = slot[..., None, None].expand(-1, -1, -1, *k.shape[2:])  # (B, 1, N, M, d_h)
+        w5 = w[..., None, None]
+        lh.keys.scatter_(1, ks, torch.where(w5, k[:, None], lh.keys.gather(1, ks)))
+        lh.values.scatter_(1, ks, torch.where(w5, v[:, None], lh.values.gather(1, ks)))
 
-    def commit(self, masked: torch.Tensor) -> None:
-        """Finish an evaluation whose input had ``masked`` (B, N) response positions."""
-        self.steps += 1
+    def commit(self, masked: torch.Tensor, written: torch.Tensor | None = None) -> None:
+        """Finish an evaluation whose input had ``masked`` (B, N) response positions, of which it computed and
+        stored ``written`` (default: all masked). Tensor work only; the host counter ``steps`` is advanced by
+        the caller (:meth:`TDLM.forward_groups`), so a compiled evaluation never reads a changing int."""
         if not self.policy.uses_cache or not self.layers:
             return
-        cap = next(iter(self.layers.values())).keys.shape[1]
-        self.n = min(self.n + 1, cap) if self.policy.kind == "last" else self.n + 1
+        self.count += masked if written is None else written
         # A position revealed in this input is never masked again: its history is dead.
         for lh in self.layers.values():
-            lh.valid[:, : self.n] &= masked[:, None, :]
+            lh.valid &= masked[:, None, :]
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
@@ -180,6 +220,8 @@ class TemporalCache:
                 lh.keys = lh.keys.index_select(0, index.to(lh.keys.device))
                 lh.values = lh.values.index_select(0, index.to(lh.values.device))
                 lh.valid = lh.valid.index_select(0, index.to(lh.valid.device))
+        if self.count is not None:
+            self.count = self.count.index_select(0, index.to(self.count.device))
         self.batch_size = int(index.numel())
 
     def valid_entries(self) -> torch.Tensor | None:
@@ -187,10 +229,10 @@ class TemporalCache:
         if not self.layers:
             return None
         lh = next(iter(self.layers.values()))
-        return lh.valid[:, : self.n].sum(1)
+        return lh.valid.sum(1)
 
     def nbytes(self) -> int:
-        total = 0
+        total = 0 if self.count is None else self.count.numel() * self.count.element_size()
         for lh in self.layers.values():
             for t in (lh.keys, lh.values, lh.valid):
                 if t is not None:

@@ -61,7 +61,12 @@ from tdlm.temporal.adapter_files import (
     adapter_config_path,
     resolve_adapter,
 )
-from tdlm.temporal.attention import TemporalAttention, resolve_layers, sink_softmax, temporal_parameter_count
+from tdlm.temporal.attention import (
+    TemporalAttention,
+    fuse_qkv_keys,
+    resolve_layers,
+    temporal_parameter_count,
+)
 from tdlm.temporal.history import HistoryPolicy, LatentCache, TemporalCache
 from tdlm.temporal.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_count
 
@@ -237,16 +242,26 @@ class TDLM(nn.Module):
         self.policy = policy
         self.config = dataclasses.replace(self.config, history=str(self.policy))
 
-    def new_cache(self, batch_size: int) -> TemporalCache:
+    def new_cache(self, batch_size: int, length: int | None = None) -> TemporalCache:
+        """A temporal cache for one request batch. ``length`` (the response positions N) preallocates an
+        entry-based history at once, C = N slots for ``full`` (decoding reveals at least one token per
+        evaluation, so N evaluations at most) and k for ``last:k``: the static storage a compiled step needs."""
         cls = LatentCache if self.policy.recurrent else TemporalCache
-        return cls(batch_size=batch_size, policy=self.policy)
+        cache = cls(batch_size=batch_size, policy=self.policy)
+        if length is not None and not self.policy.recurrent:
+            p = next(self.temporal.parameters())
+            cache.allocate(self.layer_ids, length, self.config.heads, self.config.head_dim, p.dtype, p.device,
+                           capacity=length)  # fmt: skip
+        return cache
 
     def temporal_cache_bytes(self, batch_size: int, length: int, steps: int) -> int:
         """``cache.nbytes()`` after ``steps`` evaluations of ``length`` response positions.
 
         Entry-based policies store, per layer, entries of key + value (2 d_t) and a validity flag:
         ``full`` in a capacity of max(8, 2^ceil(log2 steps)) entries (storage doubles), ``last:k`` in
-        k, ``current`` nothing. ``latent:M`` stores M d per position and layer, whatever ``steps`` is.
+        k, ``current`` nothing, plus one int64 write count per position. ``latent:M`` stores M d per
+        position and layer, whatever ``steps`` is. (A cache preallocated with ``new_cache(B, length)``
+        holds C = ``length`` slots for ``full`` from the start.)
         """
         if steps <= 0 or not self.policy.uses_cache:
             return 0
@@ -256,7 +271,7 @@ class TDLM(nn.Module):
             return L_t * B * N * self.num_latents * self.backbone.hidden_size * es + B * N + B * 8
         d_t = self.config.heads * self.config.head_dim
         cap = self.policy.k if self.policy.kind == "last" else max(8, 1 << (steps - 1).bit_length())
-        return L_t * B * cap * N * (2 * d_t * es + 1)
+        return L_t * B * cap * N * (2 * d_t * es + 1) + B * N * 8
 
     # -- shared pieces -------------------------------------------------------------------------
     def _masked(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -275,10 +290,6 @@ class TDLM(nn.Module):
         """Span [a, b) of h whose rows stand for the N response tokens (shifted by ``offset``)."""
         a = prompt_len - self.offset
         return a, a + h.shape[1] - prompt_len
-
-    @staticmethod
-    def _splice(h: torch.Tensor, a: int, b: int, corrected: torch.Tensor) -> torch.Tensor:
-        return torch.cat([h[:, :a], corrected, h[:, b:]], 1)
 
     def _run_layer(self, i: int, x: torch.Tensor, ctx: ForwardContext, insert) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
@@ -355,7 +366,7 @@ class TDLM(nn.Module):
         r = (~masked).sum(-1)  # (B, K) revealed response tokens r_i
         allowed = self.policy.parallel_mask(K, input_ids.device)[None, None] & masked.transpose(1, 2)[:, :, None, :]
         # allowed: (B, N, K_i, K_j) = policy(i, j) * m_{j,p}
-        mcol = masked.unsqueeze(-1)  # (B, K, N, 1)
+        mcol = masked.reshape(B * K, L - prompt_len, 1)  # m_{i,p} per flat row
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
@@ -363,12 +374,8 @@ class TDLM(nn.Module):
                 return h
             a, b = self._slice(h, prompt_len)
             hr = h[:, a:b].reshape(B, K, L - prompt_len, -1)  # (B, K, N, d)
-            q, k, v = mod.project(hr, r[:, :, None])  # (B, K, N, M, dh)
-            scores = torch.einsum("binmd,bjnmd->bnmij", q, k) / mod.head_dim**0.5  # (B, N, M, Ki, Kj)
-            w = sink_softmax(scores, allowed[:, :, None], mod.sink)  # (B, N, M, Ki, Kj)
-            z = torch.einsum("bnmij,bjnmd->binmd", w.to(v.dtype), v)  # (B, K, N, M, dh)
-            delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
-            return self._splice(h, a, b, h[:, a:b] + delta.reshape(B * K, L - prompt_len, -1))
+            z = mod.states(hr, r, allowed)  # (B, K, N, d_t): Eq. 7-9, one SDPA over the K states
+            return mod.correct(h, a, b, z.reshape(B * K, L - prompt_len, -1), mcol)  # Eq. 10 + Eq. 2
 
         logits = self._run(flat, attention_mask, insert, None if select is None else select.reshape(B * K, L))
         return logits if select is not None else logits.view(B, K, L, -1)
@@ -391,7 +398,8 @@ class TDLM(nn.Module):
         """
         return self.forward_groups(prompt_len, cache, [StepGroup(input_ids, attention_mask, select, kv)])[0]
 
-    def forward_groups(self, prompt_len: int, cache: TemporalCache, groups: list[StepGroup]) -> list[torch.Tensor]:
+    def forward_groups(self, prompt_len: int, cache: TemporalCache, groups: list[StepGroup],
+                       evaluate=None) -> list[torch.Tensor]:  # fmt: skip
         """One evaluation of a batch whose rows are computed by separate forwards, one per group.
 
         Decoding with a spatial KV cache splits a batch into the rows that refresh (a full forward) and
@@ -405,6 +413,7 @@ class TDLM(nn.Module):
         step (under prediction alignment the hidden state at p - offset stands for token p). Positions
         not computed get an invalid entry, which attention masks out (A_{p,i,j} of Section 2.3 with
         m_{j,p} = 0), so a zero W_O still gives the backbone with the same cache bit for bit (Prop. 1).
+        ``evaluate`` replaces :meth:`evaluate_groups` (the tensor work), e.g. by its compiled form.
         """
         if not groups:
             raise TDLMError("forward_groups needs at least one group of rows")
@@ -416,20 +425,35 @@ class TDLM(nn.Module):
             raise TDLMError("forward_groups with several groups needs each group's rows (indices into the batch)")
         B = sum(g.input_ids.shape[0] for g in groups)
         cache.check(B, prompt_len, L - prompt_len)
-        masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
         if self.policy.recurrent:
+            masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
             if not isinstance(cache, LatentCache):
                 raise TDLMError(f"history {self.policy} needs a latent cache; create it with model.new_cache(B)")
             if any(g.kv is not None and not g.kv.refresh and g.kv.cache.mode == "dual" for g in groups):
                 raise TDLMError(f"cache 'dual' cannot serve history {self.policy} (its latents keep one progress "
                                 f"count per request); allowed caches: none, prefix")  # fmt: skip
             return self._latent_step(prompt_len, cache, groups, masked)
+        cache.reserve(cache.steps + 1)  # host: grow an unpreallocated `full` history before the step reads it
+        logits = (evaluate or TDLM.evaluate_groups)(self, prompt_len, cache, groups)
+        cache.steps += 1
+        return logits
+
+    def evaluate_groups(self, prompt_len: int, cache: TemporalCache, groups: list[StepGroup]) -> list[torch.Tensor]:
+        """The tensor work of one entry-based evaluation (:meth:`forward_groups` without its host checks and
+        counters): every group's forward reads the history as it was, then this evaluation's entries are
+        written and committed in place. Static shapes, no host synchronisation and no Python state that
+        changes from step to step, so ``torch.compile(TDLM.evaluate_groups, fullgraph=True)`` traces it
+        once per step kind (:mod:`tdlm.decoding.loop`)."""
+        L = groups[0].input_ids.shape[1]
+        B, N = sum(g.input_ids.shape[0] for g in groups), L - prompt_len
+        masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
         pending: dict[int, list] = {}
         logits = [self._entry_group(g, prompt_len, cache, pending) for g in groups]
-        N = L - prompt_len
+        written = None
         for layer, parts in pending.items():
-            cache.append(layer, *_merge_entries(parts, B, N))
-        cache.commit(masked)
+            k, v, written = _merge_entries(parts, B, N)
+            cache.append(layer, k, v, written)
+        cache.commit(masked, written)
         return logits
 
     def _slots(self, kv: KVStep | None, prompt_len: int, L: int):
@@ -449,6 +473,7 @@ class TDLM(nn.Module):
         slots = self._slots(g.kv, prompt_len, g.input_ids.shape[1])
         m = masked if slots is None else slots[1] & masked.gather(1, slots[0])  # masked and computed
         mcol = m.unsqueeze(-1)
+        tables: dict = {}  # this evaluation's temporal RoPE tables, computed at the first temporal layer
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
@@ -458,25 +483,26 @@ class TDLM(nn.Module):
                 a, b = self._slice(h, prompt_len)
                 hr = h[:, a:b]  # (b, N, d)
             else:
-                hr = h  # (b, W, d): the window
-            q, k, v = mod.project(hr, r[:, None])  # (b, N or W, M, dh)
+                a, b, hr = 0, h.shape[1], h  # (b, W, d): the window
+            if "rope" not in tables:  # R(r) tables: one per evaluation, shared by the temporal layers
+                tables["rope"] = mod.step_rope(r)
             if self.policy.kind == "current":
-                keys, values, valid = k[:, None], v[:, None], m[:, None]
+                z, _, _ = mod.step(hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
             else:
-                pending.setdefault(layer, []).append((g.rows, slots, k, v, m))
+                history = None  # cold start: only the zero-value sink (Prop. 1)
                 vis = cache.visible(layer)
-                if vis is None:
-                    return h  # cold start: only the zero-value sink (Prop. 1)
-                j = None if slots is None else slots[0]
-                keys, values = _history_rows(vis[0], g.rows, j), _history_rows(vis[1], g.rows, j)
-                valid = _history_rows(vis[2], g.rows, j)  # (b, H, N or W)
-                if slots is not None:
-                    valid = valid & slots[1][:, None]
-            scores = torch.einsum("bnmd,bjnmd->bnmj", q, keys) / mod.head_dim**0.5  # (B, N, M, H)
-            w = sink_softmax(scores, valid.permute(0, 2, 1)[:, :, None], mod.sink)
-            z = torch.einsum("bnmj,bjnmd->bnmd", w.to(values.dtype), values)  # (B, N, M, dh)
-            delta = mod.output(z, h) * mcol
-            return self._splice(h, a, b, hr + delta) if slots is None else hr + delta
+                if vis is not None:
+                    j = None if slots is None else slots[0]
+                    keys, values = _history_rows(vis[0], g.rows, j), _history_rows(vis[1], g.rows, j)
+                    valid = _history_rows(vis[2], g.rows, j)  # (b, H, N or W)
+                    if slots is not None:
+                        valid = valid & slots[1][:, None]
+                    history = keys, values, valid
+                z, k, v = mod.step(hr, r, history, rope=tables["rope"], masked=mcol)  # Eq. 7-9: 1 matmul, rope, SDPA
+                pending.setdefault(layer, []).append((g.rows, slots, k, v, m))
+                if z is None:
+                    return h
+            return mod.correct(h, a, b, z, None, hr)  # Eq. 10 + Eq. 2 (z = 0 where m = 0), in place without autograd
 
         return self._run(g.input_ids, g.attention_mask, insert, g.select, g.kv)
 
@@ -517,25 +543,20 @@ class TDLM(nn.Module):
                 a, b = self._slice(h, prompt_len)
                 hr = h[:, a:b]  # (b, N, d): h_{l,p}(S_i), before the correction
             else:
-                hr = h  # (b, W, d): the window
+                a, b, hr = 0, h.shape[1], h  # (b, W, d): the window
             lat = lat_in.get(layer)
             if lat is None:
                 lat = mod.memory.initial(Bg, N)  # (b, N, M, d) learned initial latents
             elif g.rows is not None:
                 lat = lat[g.rows]
             lat_w = lat if slots is None else lat[ar, slots[0]]  # (b, N or W, M, d)
-            q = mod.project_query(hr, r[:, None])  # (b, N, H, dh), rotated by r_i
-            k, v = mod.project_key_value(lat_w, r_lat)  # (b, N, M, H, dh), keys rotated by r_last
-            scores = torch.einsum("bnhd,bnjhd->bnhj", q, k) / mod.head_dim**0.5  # (b, N, H, M)
-            every = torch.ones((), dtype=torch.bool, device=scores.device).expand(scores.shape)
-            w = sink_softmax(scores, every, mod.sink)  # Eq. 8-9 over M latents + sink
-            z = torch.einsum("bnhj,bnjhd->bnhd", w.to(v.dtype), v)  # (b, N, H, dh)
-            delta = mod.output(z, h) * mcol  # Eq. 2: only masked positions
+            # q rotated by r_i; latent keys by r_last; one SDPA over the M latents + sink (Eq. 7-9)
+            z = mod.latent(hr, r, lat_w, r_lat)  # (b, N or W, d_t)
             new = mod.memory.update(lat_w, hr, m)  # u + Perceiver(u, [h]) where masked (and computed)
             if slots is not None:  # write the window's latents back; other positions keep theirs
                 new = torch.cat([lat, lat[:, :1]], 1).index_put((ar, slots[2]), new)[:, :N]
             lat_out.setdefault(layer, []).append((g.rows, new))
-            return self._splice(h, a, b, hr + delta) if slots is None else hr + delta
+            return mod.correct(h, a, b, z, mcol)  # Eq. 10 + Eq. 2 (after the update, which read h uncorrected)
 
         return self._run(input_ids, g.attention_mask, insert, g.select, g.kv)
 
@@ -658,7 +679,7 @@ class TDLM(nn.Module):
             perceiver_head_dim=int(perceiver["head_dim"]) if perceiver else None,
         )
         model = cls(backbone, config)
-        state = load_file(str(w_path))
+        state = fuse_qkv_keys(load_file(str(w_path)))  # adapters written before the fused W_QKV: separate keys
         expected = model.adapter_state_dict()
         if set(state) != set(expected):
             extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))

@@ -7,11 +7,13 @@ from tdlm.tracking.runs import (
     NullTracker,
     Tracker,
     adapter_artifact_name,
+    experiment_group,
+    grid_tags,
     read_metrics,
     run_tags,
     tag,
     wandb_mode,
 )
 
-__all__ = ["ADAPTER_ARTIFACT_TYPE", "RUN_RECORD", "NullTracker", "Tracker", "adapter_artifact_name", "read_metrics",
-           "run_tags", "tag", "wandb_mode"]
+__all__ = ["ADAPTER_ARTIFACT_TYPE", "RUN_RECORD", "NullTracker", "Tracker", "adapter_artifact_name",
+           "experiment_group", "grid_tags", "read_metrics", "run_tags", "tag", "wandb_mode"]

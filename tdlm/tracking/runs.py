@@ -108,6 +108,28 @@ def run_tags(backbone: str | None, allocation: object = None, history: str | Non
     return list(dict.fromkeys(out))
 
 
+def experiment_group(explicit: str | None, source: str | None, settings: dict) -> str:
+    """The W&B group of a run = its experiment: ``explicit`` (``wandb.group`` / ``--group``), else the config file's
+    stem and a short hash of the settings (``tiny_multi-3f9a2c1b``). The output folder's name (the former default)
+    is ``train`` or ``eval`` for many experiments, so their runs fell into one group."""
+    if explicit:
+        return explicit
+    import hashlib
+
+    unnamed = ("defaults", "config", "arguments", "run config")  # placeholders callers pass when no file was given
+    stem = Path(source).stem if source and source not in unnamed else "defaults"
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{stem}-{digest}"
+
+
+def grid_tags(task: str | None = None, policy: str | None = None, tau: float | None = None,
+              cache: str | None = None, history: str | None = None) -> list[str]:
+    """``task:``, ``policy:``, ``tau:``, ``cache:``, ``history:`` tags of one grid point (the ones given)."""
+    pairs = (("task", task), ("policy", policy), ("tau", None if tau is None else f"{tau:g}"), ("cache", cache),
+             ("history", history))
+    return [tag(k, v) for k, v in pairs if v is not None]
+
+
 def adapter_artifact_name(training_run_id: str) -> str:
     """The W&B artifact an adapter is logged as by the run that trained it (``tdlm-adapter-<run id>``)."""
     return f"{ADAPTER_ARTIFACT_TYPE}-{training_run_id}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from tdlm.config import apply_overrides, from_dict, load_yaml
+from tdlm.config import apply_overrides, check_override_keys, from_dict, load_yaml
 from tdlm.errors import TDLMError
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json
@@ -56,11 +56,26 @@ def parse_launch(argv: list[str] | None = None, description: str | None = None) 
     if args.max_steps is not None:
         extra.append(f"train.max_steps={args.max_steps}")
     source = args.config or "defaults"
-    run = from_dict(RunConfig, apply_overrides(raw, extra), source)
+    # A typo on the command line is blamed on the command line (with the nearest key), not on the YAML file.
+    check_override_keys(RunConfig, list(args.overrides))
+    overridden = apply_overrides(raw, extra)
+    try:
+        run = from_dict(RunConfig, overridden, source)
+    except TDLMError as e:
+        bad = [o for o in extra if _touches(str(e), o)]
+        if bad:
+            raise TDLMError(f"override {bad[0]!r}: {str(e).split(': ', 1)[-1]}") from None
+        raise
     if args.allow_recipe_change and not args.resume:
         raise TDLMError("--allow-recipe-change applies to --resume only")
     return Launch(run=run, ds_raw=load_ds_json(args.ds), ds_path=args.ds, source=source, resume=args.resume,
                   allow_recipe_change=args.allow_recipe_change)
+
+
+def _touches(message: str, override: str) -> bool:
+    """Does a from_dict error message (``source.section.key: ...``) concern the field ``override`` sets?"""
+    key = override.split("=", 1)[0].strip()
+    return f".{key}:" in message or f".{key}[" in message or message.split(": ", 1)[0].endswith(key)
 
 
 def preflight_before_work(launch: Launch) -> None:

@@ -35,9 +35,9 @@ from tdlm.data.stream import TrajectoryStream, shard_paths, verify_manifest
 from tdlm.data.trajectories import IGNORE_INDEX, trajectory_loss
 from tdlm.errors import TDLMError
 from tdlm.temporal.model import TDLM, TemporalConfig
-from tdlm.tracking import NullTracker, Tracker, run_tags
+from tdlm.tracking import NullTracker, Tracker, experiment_group, run_tags
 from tdlm.training.config import RunConfig
-from tdlm.training.ds_config import resolve_ds_config, uses_activation_checkpointing
+from tdlm.training.ds_config import prepare_jit_ops, resolve_ds_config, uses_activation_checkpointing
 from tdlm.training.run_dir import (
     CHECKPOINT_DIR,
     RunLock,
@@ -224,7 +224,9 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
         lock = RunLock(run.output_dir)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     check_run_dir(run, resume, allow_recipe_change, world_env)
-    preflight(run, ds_raw, world_env, on_gpu, source, ds_source)
+    ds_pre = preflight(run, ds_raw, world_env, on_gpu, source, ds_source)
+    # No silent JIT build at process-group start, no endless wait on a stale build lock (ds_config.py).
+    prepare_jit_ops(ds_pre, on_gpu, int(os.environ.get("RANK", "0")))
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -278,7 +280,9 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
                                               "temporal_parameters": model.num_temporal_parameters()}}
         tags = run_tags(backbone.backbone_id or run.model.backbone, run.model.layers or model.layer_ids,
                         str(model.policy), run.wandb.tags)
-        sess.tracker = Tracker(out, run.wandb.project, run.wandb.group or out.name, run.wandb.name, config,
+        recipe = {k: v for k, v in to_dict(run).items() if k not in ("output_dir", "wandb")}
+        group = experiment_group(run.wandb.group, source, recipe)  # not the folder name: "train" is everyone's
+        sess.tracker = Tracker(out, run.wandb.project, group, run.wandb.name, config,
                                run.wandb.mode, tags=tags)
         if resume:
             sess.tracker.truncate(sess.start_step)

@@ -1,7 +1,7 @@
 """Datasets and scoring of the shipped lm-evaluation-harness tasks (``tdlm_gsm8k``, ``tdlm_math500``, ``tdlm_mbpp``,
 ``tdlm_arith``, ``tdlm_multi``): the problems come from :func:`tdlm.tasks.load_task`, so the harness reads the same
 local benchmark copies (``data_dir`` from ``--metadata '{"data_dir": ...}'``, else ``$TDLM_DATA_DIR``, else
-``../shared/benchmarks``; never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as
+``data/benchmarks``; never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as
 ``eval/run.py``, and a completion is scored by :func:`tdlm.evaluation.scoring.score` (Math-Verify gold first; MBPP
 in the
 sandbox), so a number from the harness and one from ``eval/run.py`` mean the same thing."""
@@ -48,11 +48,20 @@ def multi(**_) -> datasets.DatasetDict:
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """``acc`` = 1.0 if the completion is correct (math: Math-Verify; code: every assert passes in the sandbox)."""
+    """``acc`` = 1.0 if the completion is correct (math: Math-Verify; code: every assert passes in the sandbox);
+    ``nfe`` = the request's denoiser evaluations when the tdlm model generated it."""
     from tdlm.evaluation.scoring import score
     from tdlm.tasks import Problem
 
     problem = Problem(task=doc["task"], id=doc["id"], index=int(doc["index"]), prompt=doc["prompt"],
                       answer=doc["answer"], tests=tuple(doc.get("tests") or ()),
                       test_imports=tuple(doc.get("test_imports") or ()))
-    return {"acc": float(score(problem, results[0]).correct)}
+    out = {"acc": float(score(problem, results[0]).correct)}
+    # The tdlm model left this request's denoiser evaluations under (task, id): NFE is a metric beside acc, so the
+    # harness reports its mean and standard error. Another model (e.g. hf) leaves none: no nfe, acc as usual.
+    from tdlm.harness.model import NFE_BY_DOC
+
+    nfe = NFE_BY_DOC.get((str(doc["task"]), str(doc["id"])))
+    if nfe is not None:
+        out["nfe"] = float(nfe)
+    return out

@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--table",
         action="store_true",
-        help="print the README table: dispersed:8 / dispersed:16 / all x checkpointing off/on on 1 and "
+        help="print the docs/training.md table: dispersed:8 / dispersed:16 / all x checkpointing off/on on 1 and "
         "8 GPUs of --gpu-mem (other flags set the shapes and engine)",
     )
     ap.add_argument(

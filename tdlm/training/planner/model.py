@@ -6,7 +6,7 @@ Commands (repository root, venv active)::
         --micro-batch 4 --world-size 8 --ds ds_configs/zero3.json        # stage, knobs, checkpointing from the DS JSON
     python -m tdlm.training.planner --backbone dream-7b --zero 3 --world-size 8 --checkpointing on --micro-batch 4
     python -m tdlm.training.planner --backbone path/to/LLaDA-8B-Instruct --layers dispersed:16 --json  # config.json
-    python -m tdlm.training.planner --table --states 8 --seq-len 512   # the README table (1 and 8 GPUs, ckpt on/off)
+    python -m tdlm.training.planner --table --states 8 --seq-len 512  # docs/training.md table
     python -m tdlm.training.planner --measure --backbone tiny-llada --states 8 --seq-len 128 --zero 0  # CPU steps
 
 Python::
@@ -45,16 +45,17 @@ Static terms (bytes per GPU)
                       x 4 at stage 1 (fp32 staging), x g at stage 2, doubled by ``overlap_comm`` at stages 1-2.
 
 Activations (saved for backward; per token, from the code paths of ``tdlm/models`` and ``tdlm/temporal/model.py``)
-  * block, attention  4 d + 4 (RMSNorm input in fp32 + rsqrt) + e (2 q_dim + 2 kv_dim) (q, k after RoPE, v, SDPA
+  * block, attention  4 d + 4 (RMSNorm input in fp32 + rsqrt) + e (2 q_dim + 2 q_dim) (q, k after RoPE, v, SDPA
                       output) + 4 H (log-sum-exp). Frozen linears save no inputs (only weights, which need no grad).
                       Fused SDPA (flash / memory-efficient) is assumed: no L x L matrix.
   * block, FFN        4 d + 4 + 3 F e (gate pre-activation, SiLU output, up projection).
   * block             attention + FFN for layers l0 < i < n; the lowest temporal layer's input has no grad
                       (layers below run under no_grad), so it saves only its FFN and temporal terms.
-  * temporal layer    per temporal token: 3 d e (each of the W_Q/W_K/W_V linears saves its own contiguous copy of
-                      the response slice h[:, P:]) + 2 d_t e (query and output-projection inputs) + 2 d_h e (RoPE
-                      cos/sin of q and k); history (the K/V of the K states): 2 d_t e; per (b, p) position:
-                      4 M K (K + 1) (sink softmax, fp32) + e M K^2 (its cast, bf16 only) + K^2 (mask).
+  * temporal layer    per temporal token: d e (the response slice of h, input of the fused QKV matmul) + 4 d_t
+                      (the rotated query, fp32 in SDPA's math kernel, which an additive sink mask selects on CPU)
+                      + d_t e (z, input of W_O); per (b, p) position: history 2 (K + 1) d_t 4 (keys / values of the K
+                      states and the sink, fp32) + 4 M K (K + 1) (attention weights); per (b, k) state 6 d_h e (RoPE
+                      cos / sin of q, k, v).
   * RoPE tables       2 d_head e per token (cos, sin of the forward context).
   * checkpointing on  only each checkpointed block's input, d e per token for layers l0..n-1 (non-reentrant
                       torch.utils.checkpoint), plus one block recomputed during backward.
@@ -183,6 +184,7 @@ class BackboneCosts:
     ffn: int  # F, SwiGLU inner width
     vocab: int  # V, logits width
     logit_shift: int = 0  # Dream 1: the gather reads h at p - 1
+    rope_fp32: bool = False  # the rotary tables are fp32 whatever the compute dtype (LLaDA's rope_full_precision)
 
     @classmethod
     def of(cls, backbone: Backbone) -> BackboneCosts:
@@ -207,11 +209,16 @@ class BackboneCosts:
             ffn=width("ff_proj", "gate_proj"),
             vocab=backbone.vocab_size,
             logit_shift=backbone.logit_shift,
+            rope_fp32=bool(getattr(backbone, "rope_full_precision", False)),
         )
 
     def attention_saved(self, e: int) -> int:
-        """4 d + 4 + e (2 q_dim + 2 kv_dim) + 4 H: norm input (fp32), rsqrt, q, k, v, SDPA out, log-sum-exp."""
-        return 4 * self.hidden + 4 + e * (2 * self.q_dim + 2 * self.kv_dim) + 4 * self.heads
+        """4 d + 4 + e (2 q_dim + 2 kv_dim) + 4 H: norm input (fp32), rsqrt, q, k, v, SDPA out, log-sum-exp.
+
+        Training batches always carry a padding mask, and grouped-query attention with a mask repeats the K/V heads
+        (``tdlm.models.common``: SDPA's fused kernels do not take a mask together with ``enable_gqa``), so SDPA saves
+        K and V at the query width: kv_dim counts as q_dim here."""
+        return 4 * self.hidden + 4 + e * (2 * self.q_dim + 2 * self.q_dim) + 4 * self.heads
 
     def ffn_saved(self, e: int) -> int:
         """4 d + 4 + 3 F e: norm input (fp32), rsqrt, gate pre-activation, SiLU output, up projection."""
@@ -221,8 +228,8 @@ class BackboneCosts:
         return self.attention_saved(e) + self.ffn_saved(e)
 
     def rope_tables(self, e: int) -> int:
-        """cos + sin of the forward context, 2 d_head e."""
-        return 2 * self.head_dim * e
+        """cos + sin of the forward context, 2 d_head e (e = 4 when the tables are fp32: LLaDA in bf16)."""
+        return 2 * self.head_dim * (4 if self.rope_fp32 else e)
 
     def head_saved(self, gathered: bool = False) -> int:
         """Final RMSNorm input in fp32 + rsqrt, 4 d + 4 (the frozen LM head saves no input); a gathered
@@ -260,20 +267,23 @@ class TemporalCosts:
         return self.heads * self.head_dim  # d_t
 
     def saved_per_token(self, e: int) -> int:
-        """d e + 2 d_t e + 2 d_h e per temporal token (T_N = B K N), history excluded.
+        """d e + 4 d_t + d_t e per temporal token (T_N = B K N), history excluded: the response slice of h (input of
+        the one fused QKV matmul), the rotated query in fp32 (CPU's SDPA with an additive mask runs its math kernel in
+        fp32) and the attention output z (input of W_O)."""
+        return self.hidden * e + 4 * self.width + self.width * e
 
-        One contiguous copy of the response slice of h is shared by W_Q, W_K and W_V.
-        """
-        return 1 * self.hidden * e + 2 * self.width * e + 2 * self.head_dim * e
-
-    def history_per_token(self, e: int) -> int:
-        """The keys and values of every state, 2 d_t e per temporal token."""
-        return 2 * self.width * e
+    def history_per_position(self, K: int, e: int) -> int:
+        """The keys and values of the K states plus the sink's zero key / value, fp32 in the attention kernel:
+        2 (K + 1) d_t 4 per (b, p) position."""
+        return 2 * (K + 1) * self.width * 4
 
     def saved_per_position(self, K: int, e: int) -> int:
-        """Per (b, p): sink softmax 4 M K (K+1), its cast e M K^2 (bf16 only) and the history mask K^2."""
-        cast = self.heads * K * K * e if e != 4 else 0
-        return 4 * self.heads * K * (K + 1) + cast + K * K
+        """Per (b, p): the attention weights over the sink and the K states, 4 M K (K + 1) (fp32)."""
+        return 4 * self.heads * K * (K + 1)
+
+    def tables_per_state(self, e: int) -> int:
+        """Per (b, k) state: the RoPE cos / sin tables of its q, k, v rows, 2 x 3 d_h e."""
+        return 2 * 3 * self.head_dim * e
 
 
 @dataclass(frozen=True)
@@ -552,10 +562,10 @@ def plan(
 
     # 2. activations saved by the forward
     rope = T * bc.rope_tables(e)
-    t_saved = Lt * (TN * tc.saved_per_token(e) + B * N * tc.saved_per_position(K, e))
-    t_hist = Lt * TN * tc.history_per_token(e)
-    layer_t = TN * tc.saved_per_token(e) + B * N * tc.saved_per_position(K, e)  # one temporal layer
-    layer_h = TN * tc.history_per_token(e)
+    t_saved = Lt * (TN * tc.saved_per_token(e) + B * N * tc.saved_per_position(K, e) + B * K * tc.tables_per_state(e))
+    t_hist = Lt * B * N * tc.history_per_position(K, e)
+    layer_t = TN * tc.saved_per_token(e) + B * N * tc.saved_per_position(K, e) + B * K * tc.tables_per_state(e)
+    layer_h = B * N * tc.history_per_position(K, e)  # one temporal layer
     if checkpointing:
         saved = rope + (n - l0) * T * bc.checkpoint_saved(e)
         a_t, a_h = 0, 0

@@ -1,0 +1,114 @@
+"""MBPP scoring throughput: samples/s of the 257 canonical MBPP solutions through ``Scorer`` with 2 workers.
+
+Commands (from the repository root, venv active)::
+
+    python bench/sandbox_throughput.py                      # this checkout -> bench/results/sandbox_throughput.json
+    python bench/sandbox_throughput.py --before /tmp/old    # also a copy of an older tree (its ``tdlm/``), side by side
+    python bench/sandbox_throughput.py --quick              # 40 problems, one round, prints only
+
+What is measured. Each canonical solution (``Problem.answer``, in a ```` ```python ```` fence) is scored by
+:meth:`tdlm.evaluation.scoring.Scorer.score_many` with ``Scorer(2)`` and 2 threads, the evaluator's code limits
+(``SandboxLimits(timeout_s=30, cpu_s=11)``, the defaults of ``EvalConfig``); samples/s = problems / wall seconds.
+Every implementation runs in a fresh subprocess (two ``tdlm`` packages cannot share one interpreter), after one
+untimed warm-up of 4 problems (the sandbox's one-time probes). With ``--before`` the two implementations alternate
+for ``--rounds`` rounds and the medians are compared, so machine load hits both alike. The pass count is reported
+too: every canonical solution must pass.
+
+Target (issue 22): after / before >= 1 / 1.5 (within 1.5x of the old sandbox's throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "sandbox_throughput.json"
+DATA = REPO.parent / "shared" / "benchmarks"
+TARGET_SLOWDOWN = 1.5
+
+
+def _worker(impl: str, limit: int | None) -> dict:
+    """One timed pass in this process over the canonical solutions, with ``tdlm`` imported from ``impl``."""
+    sys.path.insert(0, impl)
+    from tdlm.evaluation.sandbox import SandboxLimits
+    from tdlm.evaluation.scoring import Scorer
+    from tdlm.tasks import mbpp
+
+    problems = mbpp.load(DATA, limit=limit).problems
+    completions = [f"```python\n{p.answer}\n```" for p in problems]
+    limits = SandboxLimits(timeout_s=30.0, cpu_s=11)
+    with Scorer(2, sandbox=limits) as scorer:
+        scorer.score_many(problems[:4], completions[:4], threads=2)  # warm-up: interpreter probes
+        t0 = time.perf_counter()
+        scores = scorer.score_many(problems, completions, threads=2)
+        seconds = time.perf_counter() - t0
+    failed = [p.id for p, s in zip(problems, scores, strict=True) if not s.correct]
+    extra = {}
+    sb = scores[0].sandbox
+    for key in ("backend", "mechanism"):
+        if sb is not None and hasattr(sb, key):
+            extra[key] = getattr(sb, key)
+    return {"impl": impl, "n": len(problems), "seconds": seconds, "samples_per_s": len(problems) / seconds,
+            "passed": len(problems) - len(failed), "failed": failed, **extra}  # fmt: skip
+
+
+def _run(impl: str, limit: int | None) -> dict:
+    cmd = [sys.executable, __file__, "--worker", impl, *(["--limit", str(limit)] if limit else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if out.returncode != 0:
+        raise SystemExit(f"bench worker for {impl} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", help="a directory holding an older tdlm/ package, measured side by side")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--limit", type=int, help="first N problems only")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", help=f"result JSON (default {RESULTS.relative_to(REPO)}, not written with --quick)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.limit)))
+        return
+    limit, rounds = (40, 1) if args.quick else (args.limit, args.rounds)
+    impls = {"after": str(REPO)} | ({"before": str(Path(args.before).resolve())} if args.before else {})
+    runs: dict[str, list[dict]] = {k: [] for k in impls}
+    load = [os.getloadavg()[0]]
+    for _ in range(rounds):
+        for name in sorted(impls, reverse=True):  # before first in each round
+            runs[name].append(_run(impls[name], limit))
+            print(f"{name}: {runs[name][-1]['samples_per_s']:.2f} samples/s, {runs[name][-1]['passed']}/"
+                  f"{runs[name][-1]['n']} passed", flush=True)  # fmt: skip
+    load.append(os.getloadavg()[0])
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+                    "load_average_before_after": load, "rounds": rounds, "workers": 2}  # fmt: skip
+    print("\n| impl | median samples/s | rounds | passed |\n|---|---|---|---|")
+    for name, rs in runs.items():
+        med = statistics.median(r["samples_per_s"] for r in rs)
+        result[name] = {"median_samples_per_s": med, "runs": rs}
+        each = ", ".join(f"{r['samples_per_s']:.2f}" for r in rs)
+        print(f"| {name} | {med:.2f} | {each} | {rs[-1]['passed']}/{rs[-1]['n']} |")
+    if "before" in runs:
+        slow = result["before"]["median_samples_per_s"] / result["after"]["median_samples_per_s"]
+        result["slowdown_after_vs_before"] = slow
+        result["target_met"] = slow <= TARGET_SLOWDOWN
+        print(f"\nslowdown after/before: {slow:.2f}x (target <= {TARGET_SLOWDOWN}x: "
+              f"{'met' if slow <= TARGET_SLOWDOWN else 'NOT met'})")  # fmt: skip
+    if args.out or not args.quick:
+        path = Path(args.out) if args.out else RESULTS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

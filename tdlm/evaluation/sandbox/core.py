@@ -1,0 +1,584 @@
+"""The runner: :class:`SandboxLimits`, :class:`SandboxResult`, :func:`run_python`, :func:`isolation_support`,
+:func:`require_sandbox`. See the package docstring for the guarantees and the threat model."""
+
+from __future__ import annotations
+
+import ast
+import marshal
+import math
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tdlm.errors import TDLMError
+
+from . import host
+from .launcher import LAUNCHER
+from .verdict import DRIVER, all_calls, decode_values, excerpt, judge, split_asserts
+
+Status = Literal["passed", "failed", "timeout", "error"]
+Backend = Literal["auto", "bwrap", "inhouse"]
+NOBODY = 65534
+OVERHEAD_TASKS = 4  # launcher / bwrap, the PID namespace's init, the sample's first process, slack
+SAMPLE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+              "OMP_NUM_THREADS": "1"}  # fmt: skip
+# The guarantees of issue 22 (items 2, 3 and the network namespace, plus seccomp and the uid), in the order a
+# refusal names them; each maps to what it means in a record or a warning.
+GUARANTEES = {
+    "filesystem": "a new root holding only the interpreter (read-only), its own tmpfs and /dev/null-like devices",
+    "network": "a network namespace (no network at all, no abstract sockets of the host)",
+    "pid": "a PID namespace with its own /proc (no other process visible, leftovers killed)",
+    "ipc": "an IPC namespace (no System V / POSIX IPC of the host)",
+    "limits": "aggregate memory / task / CPU limits over the whole process tree (a cgroup, or one process: no fork)",
+    "seccomp": "a seccomp filter denying ptrace, keyctl, setns, mount, unshare and relatives",
+    "privileges": "an unprivileged uid without capabilities (never root)",
+}
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits and the backend for one run. Defaults suit one MBPP program (all asserts)."""
+
+    timeout_s: float = 10.0  # wall clock for the whole program
+    memory_bytes: int = 1 << 30  # the sample's whole process tree (cgroup) and RLIMIT_AS of each process
+    cpu_s: int | None = None  # CPU seconds of the whole tree (cgroup, polled) and RLIMIT_CPU; None -> ceil(timeout)+1
+    file_size_bytes: int = 16 << 20  # RLIMIT_FSIZE: any one file, including the captured stdout/stderr
+    max_open_files: int = 256
+    max_processes: int = 64  # tasks (processes + threads) the sample may run at once (cgroup pids.max / NPROC)
+    output_bytes: int = 10_000  # stdout / stderr kept in the SandboxResult, each (records get a short excerpt)
+    value_bytes: int = 4 << 20  # the values the sample sends back for the asserts, in all
+    tmpfs_bytes: int = 64 << 20  # size of the sample's /tmp and of its /dev/shm (memory, charged to its cgroup)
+    tmpfs_inodes: int = 4096  # files + directories in each (in-house backend; bwrap has no such option)
+    backend: Backend = "auto"  # auto: bubblewrap when on PATH and working, else the in-house namespaces
+    use_cgroups: bool = True  # False: force the fallback (one process, no fork, RLIMIT_NPROC), for tests
+    # None: this interpreter if it can run as nobody, else a system python3 that can (samples need only the
+    # stdlib); a venv under a 0700 /root cannot drop privileges.
+    python: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.python is None:
+            object.__setattr__(self, "python", default_python())
+        if not (self.timeout_s > 0):
+            raise TDLMError(f"SandboxLimits.timeout_s: got {self.timeout_s}, expected > 0")
+        positive = ("memory_bytes", "file_size_bytes", "max_open_files", "output_bytes", "value_bytes", "tmpfs_bytes",
+                    "tmpfs_inodes", "max_processes")  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise TDLMError(f"SandboxLimits.{name}: got {getattr(self, name)}, expected > 0")
+        if self.cpu_s is not None and self.cpu_s <= 0:
+            raise TDLMError(f"SandboxLimits.cpu_s: got {self.cpu_s}, expected > 0 or None")
+        if self.backend not in ("auto", "bwrap", "inhouse"):
+            raise TDLMError(f"SandboxLimits.backend: got {self.backend!r}, expected 'auto', 'bwrap' or 'inhouse'")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """Outcome of one run (a plain record: ``dataclasses.asdict`` gives the JSON to log).
+
+    ``status``: passed (exit 0 and, with ``checks``, every assert held when the trusted side evaluated it with the
+    values the sample sent back), failed, timeout (wall clock or CPU limit), error (the sandbox could not start the
+    program). ``returncode`` is negative for a signal. ``backend`` (bwrap | inhouse | none) and ``mechanism``
+    (cgroup-v2 | cgroup-v1 | rlimit-nofork | rlimit) say how the run was isolated and limited; ``weakened`` names
+    the :data:`GUARANTEES` this run did not get. ``checks``: per-assert verdicts (None without checks);
+    ``detail``: a short escaped reason (the first failed assert, or the last line of stderr).
+    """
+
+    passed: bool
+    status: Status
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    backend: str = "none"
+    mechanism: str = "rlimit"
+    network_isolated: bool = False
+    pid_isolated: bool = False
+    ipc_isolated: bool = False
+    filesystem_isolated: bool = False
+    seccomp: bool = False
+    privileges_dropped: bool = False
+    weakened: tuple[str, ...] = ()
+    checks: tuple[bool, ...] | None = None
+    checks_completed: bool | None = None
+    detail: str = ""
+    notes: tuple[str, ...] = ()  # what the kernel / host refused this run (unshare, mount, cgroup ...)
+
+
+# ------------------------------------------------------------------------------------------ interpreter
+_probe_lock = threading.Lock()
+_nobody_ok: dict[str, bool] = {}
+
+
+def _interpreter_fingerprint(argv: list[str], **kw: object) -> str | None:
+    code = "import sys; print(sys.version, sys.prefix, sys.base_prefix, sys.executable)"
+    try:
+        out = subprocess.run(argv + ["-I", "-c", code], capture_output=True, text=True, timeout=30, check=False, **kw)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _can_drop_to_nobody(python: str) -> bool:
+    """Does ``python`` start as nobody *and* resolve to the same installation? Probed once per interpreter."""
+    if os.geteuid() != 0:
+        return False
+    with _probe_lock:
+        if python not in _nobody_ok:
+            mine = _interpreter_fingerprint([python])
+            try:
+                theirs = _interpreter_fingerprint([python], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
+            except (OSError, ValueError):
+                theirs = None
+            _nobody_ok[python] = mine is not None and mine == theirs
+        return _nobody_ok[python]
+
+
+def default_python() -> str:
+    """The interpreter for samples: ``sys.executable`` unless only a system ``python3`` can drop to nobody."""
+    if os.geteuid() != 0 or _can_drop_to_nobody(sys.executable):
+        return sys.executable
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.path.exists(candidate) and _can_drop_to_nobody(candidate):
+            return candidate
+    return sys.executable
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _read_capped(path: str, cap: int) -> tuple[bytes, int]:
+    with open(path, "rb") as f:
+        return f.read(cap + 1), os.fstat(f.fileno()).st_size
+
+
+def _text(path: str, cap: int) -> str:
+    data, total = _read_capped(path, cap)
+    text = data[:cap].decode("utf-8", errors="replace")
+    if total > cap:
+        text += f"\n[... truncated: {total} bytes total, {cap} kept]"
+    return text
+
+
+def _rmtree(path: str) -> None:
+    def fix(func, p, _exc):  # sample code may chmod its own files to 000 (weak mode only: no private /tmp)
+        try:
+            os.chmod(os.path.dirname(p), stat.S_IRWXU)
+            os.chmod(p, stat.S_IRWXU)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
+
+
+def _fd_with(data: bytes) -> int:
+    """An fd holding ``data`` with no name anywhere (memfd, else an unlinked temp file), offset 0."""
+    try:
+        fd = os.memfd_create("tdlm-sandbox")
+    except (AttributeError, OSError):
+        f = tempfile.TemporaryFile()
+        fd = os.dup(f.fileno())
+        f.close()
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _read_nonblocking(fd: int, cap: int = 65536) -> bytes:
+    os.set_blocking(fd, False)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(cap) or b""
+        except BlockingIOError:
+            return b""
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class _Plan:
+    """How runs with given limits are isolated on this machine (resolved once per limits)."""
+
+    backend: str  # bwrap | inhouse
+    drop_to: int | None
+    interp: host.Interpreter | None
+    cgroups: bool
+    seccomp: bool
+    notes: tuple[str, ...]
+
+
+_plans: dict[tuple, _Plan] = {}
+_plans_lock = threading.Lock()
+
+
+def _plan_key(limits: SandboxLimits) -> tuple:
+    return (limits.python, limits.backend, limits.use_cgroups, os.geteuid())
+
+
+def _bwrap_path() -> str | None:
+    return shutil.which("bwrap", path="/usr/local/bin:/usr/bin:/bin:" + os.environ.get("PATH", ""))
+
+
+def _base_plan(limits: SandboxLimits, backend: str) -> _Plan:
+    notes = []
+    drop_to = NOBODY if _can_drop_to_nobody(limits.python) else None
+    if os.geteuid() == 0 and drop_to is None:
+        notes.append(f"{limits.python} does not run as nobody (uid {NOBODY}): use a system python3")
+    try:
+        interp = host.interpreter_files(limits.python)
+    except OSError as e:
+        interp = None
+        notes.append(f"interpreter files: {e}")
+    cg = host.cgroups()
+    use_cg = limits.use_cgroups and cg.kind is not None
+    if limits.use_cgroups and cg.kind is None:
+        notes.append(f"no cgroup: {cg.note}")
+    try:
+        host.seccomp_program(not use_cg)
+        sec = True
+    except (ImportError, OSError) as e:
+        sec = False
+        notes.append(f"seccomp unavailable ({type(e).__name__}: {e}); install pyseccomp (needs libseccomp2)")
+    return _Plan(backend, drop_to, interp, use_cg, sec, tuple(notes))
+
+
+def _plan(limits: SandboxLimits) -> _Plan:
+    key = _plan_key(limits)
+    with _plans_lock:
+        if key in _plans:
+            return _plans[key]
+    tried: list[tuple[int, _Plan]] = []
+    order = ["bwrap", "inhouse"] if limits.backend == "auto" else [limits.backend]
+    notes: list[str] = []
+    for backend in order:
+        if backend == "bwrap" and _bwrap_path() is None:
+            notes.append("bwrap: not on PATH (Debian/Ubuntu: apt-get install bubblewrap)")
+            continue
+        plan = _base_plan(limits, backend)
+        if backend == "bwrap" and plan.interp is None:  # bwrap's root needs the interpreter's file list
+            notes.append("bwrap: the interpreter's files are unknown")
+            continue
+        r = _execute("pass", limits, None, (), plan)
+        if not r.passed:
+            notes.append(f"{backend}: a trivial program fails ({excerpt(r.stderr, 300)})")
+        tried.append((len(r.weakened) + (0 if r.passed else 100), plan))
+        if r.passed and not r.weakened:
+            break
+    if not tried:
+        plan = _base_plan(limits, "inhouse")
+        tried.append((100, plan))
+    best = min(tried, key=lambda t: t[0])[1]
+    best = _Plan(best.backend, best.drop_to, best.interp, best.cgroups, best.seccomp, tuple(notes) + best.notes)
+    with _plans_lock:
+        _plans[key] = best
+    return best
+
+
+def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv: list[str]) -> list[str]:
+    assert plan.interp is not None
+    a = [_bwrap_path() or "bwrap", "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net",
+         "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session",
+         "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox",
+         "--clearenv"]  # fmt: skip
+    for k, v in SAMPLE_ENV.items():
+        a += ["--setenv", k, v]
+    for op in plan.interp.ops:
+        a += ["--symlink", op[1], op[2]] if op[0] == "symlink" else ["--ro-bind", op[1], op[1]]
+    a += ["--dev", "/dev", "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+          "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
+          "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]  # fmt: skip
+    if seccomp_fd is not None:
+        a += ["--seccomp", str(seccomp_fd)]
+    return a + ["--", *argv]
+
+
+# ------------------------------------------------------------------------------------------ run
+def run_python(code: str, limits: SandboxLimits | None = None, *, checks: Sequence[str] | None = None,
+               test_imports: Sequence[str] = ()) -> SandboxResult:  # fmt: skip
+    """Run ``code`` as ``main.py`` in a fresh sandboxed process and report how it ended. Thread-safe.
+
+    Without ``checks`` the run passes iff the process exits 0. With ``checks`` (MBPP asserts, each one ``assert``
+    statement; ``test_imports`` are the import lines they need), the trusted side splits each assert
+    (:func:`tdlm.evaluation.sandbox.verdict.split_asserts`), the sample evaluates only the calls into its code and
+    sends the values back, and the trusted side evaluates the asserts: the run passes iff every assert holds and
+    the process exited 0.
+    """
+    limits = limits or SandboxLimits()
+    splits = None
+    if checks is not None:
+        checks = list(checks)
+        if not checks or not all(isinstance(c, str) for c in checks):
+            raise TDLMError(f"run_python: checks must be a non-empty list of strings, got {checks!r}")
+        splits = split_asserts(checks, list(test_imports), code)
+    return _execute(code, limits, splits, tuple(test_imports), _plan(limits))
+
+
+def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports: tuple[str, ...],
+             plan: _Plan) -> SandboxResult:  # fmt: skip
+    calls = all_calls(splits) if splits is not None else None
+    cg = None
+    notes: list[str] = []
+    if plan.cgroups:
+        try:
+            cg = host.cgroups().create(limits.memory_bytes, limits.max_processes + OVERHEAD_TASKS)
+        except OSError as e:
+            notes.append(f"cgroup: {e}")
+    nofork = cg is None
+    seccomp_fd = None
+    if plan.seccomp:
+        seccomp_fd = _fd_with(host.seccomp_program(nofork))
+    root = tempfile.mkdtemp(prefix="tdlm-sandbox-")
+    work, stage = os.path.join(root, "work"), os.path.join(root, "root")
+    os.mkdir(work)
+    os.mkdir(stage)
+    if plan.drop_to is not None:
+        os.chmod(root, 0o711)  # nobody may traverse root/ (weak mode's cwd) but not list it or read the outputs
+        os.chown(work, plan.drop_to, plan.drop_to)
+    out_path, err_path, val_path = (os.path.join(root, n) for n in ("stdout", "stderr", "values"))
+    fds: list[int] = []
+    payload_fd = _fd_with(marshal.dumps((code, calls)))
+    values_fd = os.open(val_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fds += [payload_fd, values_fd] + ([seccomp_fd] if seccomp_fd is not None else [])
+    status_r, status_w = os.pipe()
+    t0 = time.monotonic()
+    timed_out = cpu_out = False
+    returncode: int | None = None
+    try:
+        exe = plan.interp.exe if plan.interp is not None else (limits.python or sys.executable)
+        cpu_s = limits.cpu_s or math.ceil(limits.timeout_s) + 1
+        argv = [exe, "-I", "-S", "-B", "-c", DRIVER, f"{payload_fd},{values_fd}"]
+        cfg = {
+            "status_fd": status_w, "backend": plan.backend, "drop_to": plan.drop_to,
+            "cgroup_procs": cg.procs if cg is not None else [],
+            "memory_bytes": limits.memory_bytes, "cpu_s": cpu_s, "file_size_bytes": limits.file_size_bytes,
+            "max_open_files": limits.max_open_files, "max_tasks": limits.max_processes + OVERHEAD_TASKS,
+            "keep_fds": fds, "seccomp_fd": seccomp_fd, "env": SAMPLE_ENV, "workdir": work, "stage": stage,
+            "ops": [list(o) for o in plan.interp.ops] if plan.interp is not None else [],
+            "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
+        }  # fmt: skip
+        cfg["argv"] = argv
+        if plan.backend == "bwrap":
+            cfg["bwrap_argv"] = _bwrap_argv(plan, limits, seccomp_fd, argv)
+        with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
+            try:
+                proc = subprocess.Popen(
+                    [limits.python, "-I", "-S", "-B", "-c", LAUNCHER, marshal.dumps(cfg).hex()],
+                    cwd="/", env=SAMPLE_ENV, stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                    pass_fds=(status_w, *fds), start_new_session=True,
+                )  # fmt: skip
+            except OSError as e:
+                return SandboxResult(False, "error", None, "", f"sandbox: cannot start {limits.python}: {e}",
+                                     time.monotonic() - t0, detail=excerpt(str(e)))  # fmt: skip
+            finally:
+                for fd in (status_w, *fds):  # our copies; EOF on status_r once the launcher exec'd or died
+                    os.close(fd)
+                fds = []
+            try:
+                timed_out, cpu_out = _wait(proc, limits.timeout_s, cg, cpu_s)
+            finally:
+                try:  # always: also removes background children the sample left behind
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                if cg is not None:
+                    cg.kill()
+                returncode = proc.wait()
+        seconds = time.monotonic() - t0
+        if cg is not None and cg.cpu_seconds() >= cpu_s:
+            cpu_out = True
+        status_text = _read_nonblocking(status_r).decode("utf-8", errors="replace")
+        status_r = -1
+        stdout = _text(out_path, limits.output_bytes)
+        stderr = _text(err_path, limits.output_bytes)
+        values_data, _ = _read_capped(val_path, limits.value_bytes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if status_r >= 0:
+            os.close(status_r)
+        if cg is not None:
+            cg.remove()
+        _rmtree(root)
+    return _result(plan, limits, splits, test_imports, cg, nofork, notes, status_text, returncode, timed_out,
+                   cpu_out, seconds, stdout, stderr, values_data)  # fmt: skip
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float, cg: host.Cgroup | None, cpu_s: float) -> tuple[bool, bool]:
+    """Wait for ``proc`` to exit *without reaping it* (its pgid cannot be recycled before the kill), polling the
+    cgroup's CPU time; returns (wall clock exceeded, cgroup CPU time exceeded)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        poller = select.poll()
+        if pidfd is not None:
+            poller.register(pidfd, select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True, False
+            step = min(left, 0.2) if cg is not None else left
+            if pidfd is not None:
+                if poller.poll(max(1, math.ceil(step * 1000))):
+                    return False, False
+            else:
+                info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None and info.si_pid:
+                    return False, False
+                time.sleep(min(step, 0.005))
+            if cg is not None and cg.cpu_seconds() > cpu_s:
+                return False, True
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_imports: tuple[str, ...],
+            cg: host.Cgroup | None, nofork: bool, notes: list[str], status_text: str, returncode: int | None,
+            timed_out: bool, cpu_out: bool, seconds: float, stdout: str, stderr: str,
+            values_data: bytes) -> SandboxResult:  # fmt: skip
+    report: dict[str, Any] = {}
+    exec_failed = ""
+    for line in status_text.splitlines():
+        if line.startswith("exec_failed"):
+            exec_failed = line.strip()
+            break
+        try:  # the launcher's own lines (the sample never holds this pipe)
+            rec = ast.literal_eval(line)
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(rec, dict):
+            report.update(rec)
+    bw = plan.backend == "bwrap" and bool(report)
+    # bwrap either builds everything it was asked for or does not start the program (then the run is an error)
+    flags = {
+        "filesystem": bw or bool(report.get("fs")),
+        "network": bw or bool(report.get("net")),
+        "pid": bw or bool(report.get("pid")),
+        "ipc": bw or bool(report.get("ipc")),
+        "seccomp": plan.seccomp,
+        "privileges": bool(report.get("dropped")) or os.geteuid() != 0,
+    }
+    mechanism = cg.kind if cg is not None else ("rlimit-nofork" if plan.seccomp else "rlimit")
+    flags["limits"] = mechanism != "rlimit"
+    backend = plan.backend if (bw or any(report.get(k) for k in ("fs", "net", "pid", "ipc"))) else "none"
+    weakened = tuple(k for k in GUARANTEES if not flags[k])
+    run_notes = [*notes, *(str(v) for v in (report.get("notes") or {}).values())]
+    if report.get("fs_note") and str(report["fs_note"]) not in run_notes:
+        run_notes.append(str(report["fs_note"]))
+    verdicts = None
+    completed = None
+    detail = ""
+    ok = False
+    if splits is not None:
+        n = sum(len(s.calls) for s in splits)
+        values, errors, problem = decode_values(values_data, n, limits.value_bytes)
+        completed = len(values) + len(errors) == n and not problem
+        if problem:
+            errors = {i: problem for i in range(n)}
+        ok, verdict_list, detail = judge(splits, values, errors, test_imports)
+        verdicts = tuple(verdict_list)
+    status: Status
+    if exec_failed:
+        status, stderr = "error", f"sandbox: {exec_failed}\n{stderr}"
+    elif timed_out or cpu_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # bwrap: 128 + signal
+        status = "timeout"
+    elif not report:
+        status, stderr = "error", f"sandbox: the launcher did not report (exit {returncode})\n{stderr}"
+    elif plan.backend == "bwrap" and returncode != 0 and stderr.startswith("bwrap: ") and not stdout \
+            and not values_data:  # fmt: skip
+        status = "error"  # bubblewrap refused to build the sandbox: the program never ran (a sample cannot pass so)
+    elif returncode == 0 and (splits is None or ok):
+        status = "passed"
+    else:
+        status = "failed"
+        if splits is not None and ok and returncode != 0:
+            detail = f"every assert held but the program exited with status {returncode}"
+    if status != "passed" and not detail:
+        detail = excerpt(stderr) or ("timeout" if status == "timeout" else f"exit status {returncode}")
+    else:
+        detail = excerpt(detail, 200)
+    return SandboxResult(
+        passed=status == "passed", status=status, returncode=returncode, stdout=stdout, stderr=stderr,
+        seconds=seconds, backend=backend, mechanism=mechanism, network_isolated=flags["network"],
+        pid_isolated=flags["pid"], ipc_isolated=flags["ipc"], filesystem_isolated=flags["filesystem"],
+        seccomp=flags["seccomp"], privileges_dropped=bool(report.get("dropped")), weakened=weakened,
+        checks=verdicts, checks_completed=completed, detail=detail, notes=tuple(run_notes),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ probes
+def _hint(missing: list[str], notes: list[str]) -> str:
+    text = " ".join(notes)
+    hints = []
+    userns_words = ("CLONE_NEWUSER", "userns", "setting up uid map", "No permissions to create new namespace")
+    if any(w in text for w in userns_words):
+        hints.append("allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
+                     "user.max_user_namespaces > 0) or run the evaluator as root")  # fmt: skip
+    if "bwrap: not on PATH" in text and os.geteuid() != 0:
+        hints.append("install bubblewrap (apt-get install bubblewrap)")
+    if "seccomp unavailable" in text:
+        hints.append("pip install pyseccomp (needs libseccomp2)")
+    if "does not run as nobody" in text:
+        hints.append(f"provide a python3 that uid {NOBODY} can run (e.g. /usr/bin/python3)")
+    if "limits" in missing and "no cgroup" in text:
+        hints.append("a writable cgroup (v2 delegation or v1 memory/pids/cpuacct) or pyseccomp for the no-fork rule")
+    return "; ".join(hints) or "see the notes"
+
+
+def isolation_support(limits: SandboxLimits | None = None) -> dict[str, Any]:
+    """What the sandbox achieves on this machine (resolves the backend, runs one trivial program).
+
+    Keys: ``works``; ``backend`` / ``mechanism`` (see :class:`SandboxResult`); ``guarantees`` (each of
+    :data:`GUARANTEES` -> bool); ``missing`` (the names this machine does not grant); ``level`` ("full" or
+    "weak: <names>", the one string for the evaluation record); ``notes`` (what the kernel / host refused);
+    ``refusal`` (the one line MBPP scoring refuses with, "" when nothing is missing).
+    """
+    limits = limits or SandboxLimits()
+    plan = _plan(limits)
+    r = _execute("pass", limits, None, (), plan)
+    missing = list(r.weakened) if r.passed else list(GUARANTEES)
+    notes = list(plan.notes) + [n for n in r.notes if n not in plan.notes]
+    if not r.passed:
+        notes.append(excerpt(r.stderr, 300))
+    guarantees = {k: k not in missing for k in GUARANTEES}
+    refusal = ""
+    if missing:
+        # the notes that say what the kernel refused first (user namespaces, bwrap), each shortened: one line
+        key = ("CLONE_NEWUSER", "bwrap", "namespace", "seccomp", "nobody", "cgroup")
+        ranked = sorted(notes, key=lambda n: next((i for i, k in enumerate(key) if k in n), len(key)))
+        why = "; ".join(excerpt(n, 160) for n in ranked[:3]) or "unknown"
+        refusal = (f"sandbox: refusing to score code: missing {', '.join(missing)} ({why}); to get them: "
+                   f"{_hint(missing, notes)}; or set allow_weak_sandbox: true / --allow-weak-sandbox to score "
+                   "with weakened guarantees recorded in every row")  # fmt: skip
+    level = "full" if not missing else "weak: " + ",".join(missing)
+    return {"works": r.passed, "backend": r.backend, "mechanism": r.mechanism, "guarantees": guarantees,
+            "missing": missing, "level": level, "notes": notes, "refusal": refusal}  # fmt: skip
+
+
+_required: dict[tuple, dict[str, Any]] = {}
+
+
+def require_sandbox(limits: SandboxLimits | None = None, allow_weak: bool = False) -> dict[str, Any]:
+    """:func:`isolation_support`, cached per limits; raises :class:`TDLMError` with the one-line ``refusal`` when a
+    guarantee is missing and ``allow_weak`` is False (fail closed)."""
+    limits = limits or SandboxLimits()
+    key = _plan_key(limits)
+    with _plans_lock:
+        support = _required.get(key)
+    if support is None:
+        support = isolation_support(limits)
+        with _plans_lock:
+            _required[key] = support
+    if support["missing"] and not allow_weak:
+        raise TDLMError(support["refusal"])
+    return support

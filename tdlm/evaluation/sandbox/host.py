@@ -1,0 +1,366 @@
+"""What the host provides for the sandbox: the interpreter's files (the new root), per-sample cgroups, seccomp.
+
+- :func:`interpreter_files`: the exact files one interpreter needs (its binary, the dynamic loader, the shared
+  libraries ``ldd`` lists for it and for its ``lib-dynload`` extension modules, its stdlib directory), each with
+  the chain of symlinks that leads to it, as ``("symlink", target, path)`` / ``("bind", path)`` operations. The
+  sandbox's root holds these and nothing else: no HOME, no project, no data, no site-packages;
+- :class:`Cgroups`: one cgroup per sample (v2 where a delegated subtree with the memory and pids controllers
+  exists, else v1 memory + pids + cpuacct), which bounds memory (including tmpfs / memfd / shm pages, which the
+  memory controller charges), tasks and - polled by the runner - CPU time of the sample's whole process tree;
+- :func:`seccomp_program`: a libseccomp (``pyseccomp``) filter, exported as BPF, that makes ``ptrace``,
+  ``keyctl``/``add_key``/``request_key``, ``setns``, ``unshare``, ``mount`` and its new-API relatives,
+  ``pivot_root``, ``chroot``, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``process_vm_*``, ``io_uring`` and
+  module / kexec calls fail with ``EPERM``; without cgroups also ``fork``/``vfork``/``clone`` without
+  ``CLONE_THREAD``/``clone3`` (threads still work) and ``memfd_create``.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import secrets
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+DENIED_SYSCALLS = (
+    "ptrace", "keyctl", "add_key", "request_key", "setns", "unshare", "mount", "umount2", "pivot_root", "chroot",
+    "mount_setattr", "open_tree", "move_mount", "fsopen", "fsmount", "fspick", "bpf", "perf_event_open",
+    "userfaultfd", "process_vm_readv", "process_vm_writev", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot",
+    "acct", "quotactl", "name_to_handle_at", "open_by_handle_at", "lookup_dcookie", "personality",
+)  # fmt: skip
+NOFORK_SYSCALLS = ("fork", "vfork", "memfd_create")
+CLONE_THREAD = 0x00010000
+
+
+# ------------------------------------------------------------------------------------------ new root
+def _chain(path: str, ops: list[tuple[str, ...]], seen: set[str], dirs: tuple[str, ...], depth: int = 0) -> None:
+    """Append the ops that recreate ``path`` (absolute, maybe through symlinks) in a new root; a real path under one
+    of ``dirs`` (bound whole) needs no bind of its own."""
+    if depth > 40:
+        raise OSError(f"too many symlinks resolving {path}")
+    parts = [p for p in os.path.normpath(path).split("/") if p]
+    cur = ""
+    for i, comp in enumerate(parts):
+        nxt = f"{cur}/{comp}"
+        if os.path.islink(nxt):
+            target = os.readlink(nxt)
+            if nxt not in seen:
+                seen.add(nxt)
+                ops.append(("symlink", target, nxt))
+            resolved = target if target.startswith("/") else os.path.join(cur or "/", target)
+            rest = "/".join(parts[i + 1 :])
+            _chain(os.path.normpath(resolved + ("/" + rest if rest else "")), ops, seen, dirs, depth + 1)
+            return
+        cur = nxt
+    if cur not in seen and not any(cur.startswith(d + "/") for d in dirs):
+        seen.add(cur)
+        ops.append(("bind", cur))
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """One sample interpreter: ``exe`` (the real binary) and the ops building a root that holds only it."""
+
+    exe: str
+    stdlib: str
+    ops: tuple[tuple[str, ...], ...]
+    version: str
+
+
+_PROBE = (
+    "import json, os, sys, sysconfig; print(json.dumps({'exe': os.path.realpath(sys.executable), "
+    "'stdlib': os.path.dirname(os.__file__), 'dynload': sysconfig.get_config_var('DESTSHARED') or '', "
+    "'version': sys.version}))"
+)
+
+
+def _ldd(paths: list[str]) -> list[str]:
+    try:
+        out = subprocess.run(["ldd", *paths], capture_output=True, text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    libs = []
+    for line in out.splitlines():
+        line = line.strip()
+        if "=>" in line:
+            p = line.split("=>", 1)[1].split("(")[0].strip()
+        elif line.startswith("/"):
+            p = line.split("(")[0].strip()
+        else:
+            continue
+        if p.startswith("/") and os.path.exists(p):
+            libs.append(p)
+    return libs
+
+
+@functools.lru_cache(maxsize=8)
+def interpreter_files(python: str) -> Interpreter:
+    """The new root's contents for ``python`` (probed once per interpreter). Raises OSError if it cannot tell."""
+    out = subprocess.run([python, "-I", "-S", "-c", _PROBE], capture_output=True, text=True, timeout=60, check=False)
+    if out.returncode != 0:
+        raise OSError(f"{python} -I -S does not start: {out.stderr.strip()[-200:]}")
+    info = json.loads(out.stdout)
+    exe, stdlib, dynload = info["exe"], os.path.realpath(info["stdlib"]), os.path.realpath(info["dynload"] or "")
+    exts = []
+    if dynload and os.path.isdir(dynload):
+        exts = [os.path.join(dynload, f) for f in sorted(os.listdir(dynload)) if f.endswith(".so")]
+    libs = _ldd([exe, *exts])
+    ops: list[tuple[str, ...]] = []
+    seen: set[str] = set()
+    dirs = (stdlib,) + ((dynload,) if dynload and not dynload.startswith(stdlib + "/") else ())
+    for d in dirs:
+        _chain(d, ops, seen, ())
+    for p in [python, exe, *dict.fromkeys(libs)]:
+        _chain(os.path.abspath(p), ops, seen, dirs)
+    return Interpreter(exe, stdlib, tuple(ops), info["version"])
+
+
+# ------------------------------------------------------------------------------------------ cgroups
+def _mounts() -> list[tuple[str, str, list[str]]]:
+    """(mount point, fstype, super options) of every cgroup mount, from /proc/self/mountinfo."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, right = line.split(" - ", 1)
+                fstype, _src, sopts = (right.split() + ["", ""])[:3]
+                if fstype in ("cgroup", "cgroup2"):
+                    out.append((left.split()[4], fstype, sopts.split(",")))
+    except OSError:
+        pass
+    return out
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller (or "" for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    own = {}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, ctrls, path = line.rstrip("\n").split(":", 2)
+                for c in ctrls.split(",") if ctrls else [""]:
+                    own[c] = path
+    except OSError:
+        pass
+    return own
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+@dataclass
+class Cgroup:
+    """The cgroups of one sample: ``procs`` (files the launcher writes its pid to), CPU usage, kill, remove."""
+
+    kind: str
+    dirs: list[str]
+    cpu_file: str
+    kill_file: str | None
+    procs: list[str] = field(default_factory=list)
+
+    def cpu_seconds(self) -> float:
+        try:
+            with open(self.cpu_file) as f:
+                text = f.read()
+        except OSError:
+            return 0.0
+        if self.kind == "cgroup-v1":
+            return int(text) / 1e9
+        for line in text.splitlines():
+            if line.startswith("usage_usec"):
+                return int(line.split()[1]) / 1e6
+        return 0.0
+
+    def kill(self) -> None:
+        """SIGKILL every process in the sample's cgroups (``cgroup.kill`` on v2, else one by one)."""
+        if self.kill_file:
+            try:
+                _write(self.kill_file, "1")
+                return
+            except OSError:
+                pass
+        for _ in range(50):
+            pids = set()
+            for d in self.dirs:
+                try:
+                    with open(os.path.join(d, "cgroup.procs")) as f:
+                        pids.update(int(p) for p in f.read().split())
+                except OSError:
+                    pass
+            if not pids:
+                return
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            for _ in range(200):  # the killed processes take a moment to leave
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    self.kill()
+                    time.sleep(0.005)
+
+
+class Cgroups:
+    """Creates one cgroup per sample where this process may: v2 (a writable, delegated subtree of our own cgroup with
+    ``memory`` and ``pids`` enabled) first, else v1 (``memory``, ``pids``, ``cpuacct`` hierarchies writable). Detected
+    once; :attr:`kind` is ``cgroup-v2``, ``cgroup-v1`` or None, :attr:`note` says why not."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.note = ""
+        self._bases: dict[str, str] = {}
+        mounts, own = _mounts(), _own_cgroups()
+        notes = []
+        v2 = next((m for m in mounts if m[1] == "cgroup2"), None)
+        if v2 is not None and "" in own:
+            base = v2[0] + own[""]
+            why = self._try_v2(base)
+            if not why:
+                self.kind, self._bases = "cgroup-v2", {"": base}
+                return
+            notes.append(f"cgroup v2 at {base}: {why}")
+        else:
+            notes.append("no cgroup v2 hierarchy")
+        bases = {}
+        for ctrl in ("memory", "pids", "cpuacct"):
+            m = next((m for m in mounts if m[1] == "cgroup" and ctrl in m[2]), None)
+            if m is None or ctrl not in own:
+                notes.append(f"no cgroup v1 {ctrl} hierarchy")
+                break
+            bases[ctrl] = m[0] + own[ctrl]
+        else:
+            probe = {c: os.path.join(b, f"tdlm-probe-{secrets.token_hex(4)}") for c, b in bases.items()}
+            try:
+                for p in probe.values():
+                    os.mkdir(p)
+                self.kind, self._bases = "cgroup-v1", bases
+            except OSError as e:
+                notes.append(f"cgroup v1: {e}")
+            finally:
+                for p in probe.values():
+                    try:
+                        os.rmdir(p)
+                    except OSError:
+                        pass
+            if self.kind:
+                return
+        self.note = "; ".join(notes)
+
+    @staticmethod
+    def _try_v2(base: str) -> str:
+        try:
+            with open(os.path.join(base, "cgroup.subtree_control")) as f:
+                enabled = set(f.read().split())
+            with open(os.path.join(base, "cgroup.controllers")) as f:
+                available = set(f.read().split())
+        except OSError as e:
+            return str(e)
+        need = {"memory", "pids"}
+        if not need <= available:
+            return f"controllers {sorted(need - available)} not available (bound to v1 or not delegated)"
+        if not need <= enabled:
+            try:  # allowed at the root, or in a delegated cgroup without processes of its own
+                _write(os.path.join(base, "cgroup.subtree_control"), " ".join(f"+{c}" for c in sorted(need - enabled)))
+            except OSError as e:
+                return f"cannot enable {sorted(need - enabled)} in cgroup.subtree_control ({e})"
+        probe = os.path.join(base, f"tdlm-probe-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError as e:
+            return f"cannot create a child cgroup ({e})"
+        return ""
+
+    def create(self, memory_bytes: int, max_tasks: int) -> Cgroup:
+        """A fresh cgroup (set) with the sample's aggregate memory and task limits. Raises OSError."""
+        name = f"tdlm-sample-{secrets.token_hex(6)}"
+        if self.kind == "cgroup-v2":
+            d = os.path.join(self._bases[""], name)
+            os.mkdir(d)
+            kill = os.path.join(d, "cgroup.kill")
+            cg = Cgroup("cgroup-v2", [d], os.path.join(d, "cpu.stat"), kill if os.path.exists(kill) else None)
+            try:
+                _write(os.path.join(d, "memory.max"), str(memory_bytes))
+                for opt in ("memory.swap.max", "memory.zswap.max"):
+                    if os.path.exists(os.path.join(d, opt)):
+                        _write(os.path.join(d, opt), "0")
+                _write(os.path.join(d, "memory.oom.group"), "1")
+                _write(os.path.join(d, "pids.max"), str(max_tasks))
+            except OSError:
+                cg.remove()
+                raise
+            cg.procs = [os.path.join(d, "cgroup.procs")]
+            return cg
+        dirs = {c: os.path.join(b, name) for c, b in self._bases.items()}
+        cg = Cgroup("cgroup-v1", [], os.path.join(dirs["cpuacct"], "cpuacct.usage"), None)
+        try:
+            for d in dirs.values():
+                os.mkdir(d)
+                cg.dirs.append(d)
+            _write(os.path.join(dirs["memory"], "memory.limit_in_bytes"), str(memory_bytes))
+            memsw = os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes")
+            if os.path.exists(memsw):  # swap accounting on: memory + swap bounded by the same number
+                _write(memsw, str(memory_bytes))
+            _write(os.path.join(dirs["memory"], "memory.swappiness"), "0")
+            _write(os.path.join(dirs["pids"], "pids.max"), str(max_tasks))
+        except OSError:
+            cg.remove()
+            raise
+        cg.procs = [os.path.join(d, "cgroup.procs") for d in dirs.values()]
+        return cg
+
+
+@functools.lru_cache(maxsize=1)
+def cgroups() -> Cgroups:
+    """The per-process cgroup detector (detected once)."""
+    return Cgroups()
+
+
+# ------------------------------------------------------------------------------------------ seccomp
+@functools.lru_cache(maxsize=4)
+def seccomp_program(nofork: bool) -> bytes:
+    """The BPF program (see the module docstring). Raises ImportError / OSError if libseccomp is unavailable."""
+    import errno
+
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    names = DENIED_SYSCALLS + (NOFORK_SYSCALLS if nofork else ())
+    for name in names:
+        try:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        except (ValueError, OSError, RuntimeError):  # a name this architecture does not have (fork on aarch64)
+            pass
+    if nofork:
+        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD, 0))
+        f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # glibc then falls back to clone, which the rule above checks
+    buf = io.BytesIO()
+    # export_bpf wants a real file descriptor
+    r, w = os.pipe()
+    try:
+        with os.fdopen(w, "wb") as fw:
+            f.export_bpf(fw)
+        with os.fdopen(r, "rb") as fr:
+            buf.write(fr.read())
+    except Exception:
+        raise
+    prog = buf.getvalue()
+    if not prog or len(prog) % 8:
+        raise OSError(f"seccomp: libseccomp exported {len(prog)} bytes, expected a BPF program")
+    return prog
