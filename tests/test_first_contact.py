@@ -186,21 +186,26 @@ def _eval_run():
     return importlib.import_module("run")
 
 
-def test_every_eval_config_field_has_a_flag_with_its_doc_and_vice_versa():
+def _assert_flags_match_fields(cls, parser, flags):
+    """Every field of ``cls`` has exactly one flag whose help starts with the field's comment, and vice versa."""
     from tdlm.config import field_docs
+
+    dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert dests == fields
+    assert set(flags) <= fields  # no flag settings for a field that no longer exists
+    docs = field_docs(cls)
+    for a in parser._actions:
+        if a.dest in fields:
+            assert docs.get(a.dest), f"{cls.__name__}.{a.dest} has no comment: its flag would have no help"
+            assert a.help.startswith(docs[a.dest][:30]) or a.help.startswith("turn off: "), a.dest
+
+
+def test_every_eval_config_field_has_a_flag_with_its_doc_and_vice_versa():
     from tdlm.evaluation import EvalConfig
 
     run = _eval_run()
-    parser = run.build_parser()
-    dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
-    fields = {f.name for f in dataclasses.fields(EvalConfig)}
-    assert dests == fields
-    assert set(run.FLAGS) <= fields  # no flag settings for a field that no longer exists
-    docs = field_docs(EvalConfig)
-    for a in parser._actions:
-        if a.dest in fields:
-            assert docs.get(a.dest), f"EvalConfig.{a.dest} has no comment: its flag would have no help"
-            assert a.help.startswith(docs[a.dest][:30]) or a.help.startswith("turn off: "), a.dest
+    _assert_flags_match_fields(EvalConfig, run.build_parser(), run.FLAGS)
 
 
 def _generation_cli():
@@ -214,20 +219,10 @@ def _generation_cli():
 
 
 def test_every_generation_config_field_has_a_flag_with_its_doc_and_vice_versa():
-    from tdlm.config import field_docs
     from tdlm.generation import GenerationConfig
 
     cli = _generation_cli()
-    parser = cli.build_parser()
-    dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
-    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
-    assert dests == fields
-    assert set(cli.FLAGS) <= fields
-    docs = field_docs(GenerationConfig)
-    for a in parser._actions:
-        if a.dest in fields:
-            assert docs.get(a.dest), f"GenerationConfig.{a.dest} has no comment: its flag would have no help"
-            assert a.help.startswith(docs[a.dest][:30]) or a.help.startswith("turn off: "), a.dest
+    _assert_flags_match_fields(GenerationConfig, cli.build_parser(), cli.FLAGS)
 
 
 def test_generation_flags_people_use_keep_working(tmp_path, capsys):

@@ -102,7 +102,7 @@ def upload_adapter_folder(folder: str | os.PathLike, repo_id: str, private: bool
     folder = Path(folder)
     cfg_path = adapter_config_path(folder)
     if not (folder / ADAPTER_WEIGHTS).exists():
-        raise TDLMError(f"{folder}: missing {ADAPTER_WEIGHTS} (expected a folder written by TDLM.save_pretrained)")
+        raise TDLMError(f"{folder}: missing {ADAPTER_WEIGHTS} (expected a folder written by tdlm.hub.save_pretrained)")
     if cfg_path.name == ADAPTER_CONFIG_LEGACY:
         raise TDLMError(f"{folder}: written before the rename ({ADAPTER_CONFIG_LEGACY}, PEFT's name); load and "
                         f"save_pretrained it first so the Hub sees {ADAPTER_CONFIG}")
