@@ -88,6 +88,24 @@ def backbone_name(request) -> str:
     return request.param
 
 
+SANDBOX_BACKENDS = ("bwrap", "inhouse")
+
+
+def sandbox_limits_for(backend: str, **limits):
+    """``SandboxLimits(backend=backend, **limits)`` whose isolation is asserted full; a backend whose program is not
+    installed here (bubblewrap, which `make test` installs only where root + apt-get allow) is skipped with the
+    reason, never an error, so the other backend's tests still run. An installed backend that cannot isolate
+    is a failure."""
+    from tdlm.evaluation.sandbox import SandboxLimits, backend_unavailable, isolation_support
+
+    if why := backend_unavailable(backend):
+        pytest.skip(f"sandbox backend {backend!r}: {why}")
+    lim = SandboxLimits(backend=backend, **limits)
+    support = isolation_support(lim)
+    assert support["works"] and support["backend"] == backend and support["level"] == "full", support
+    return lim
+
+
 # -- per-test time limits (pytest-timeout; `timeout` / `timeout_method` in pyproject.toml) -------------------
 SLOW_TIMEOUT_S = 1800.0  # slow tests launch DeepSpeed / Ray / the whole demo (its subprocess alone may take 1500 s)
 HARD_GRACE_S = 120.0  # the backstop below fires this long after a test's own limit

@@ -12,20 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+from conftest import SANDBOX_BACKENDS, sandbox_limits_for
 
 from tdlm.errors import TDLMError
-from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python, split_asserts
+from tdlm.evaluation.sandbox import SandboxLimits, run_python, split_asserts
 from tdlm.evaluation.sandbox.verdict import MAX_DEPTH, decode_values, defined_names, excerpt, judge
 
 FAST = SandboxLimits(timeout_s=15.0, cpu_s=5)
 
 
-@pytest.fixture(scope="module", params=["bwrap", "inhouse"])
+@pytest.fixture(scope="module", params=SANDBOX_BACKENDS)
 def limits(request):
-    lim = replace(FAST, backend=request.param)
-    support = isolation_support(lim)
-    assert support["works"] and support["backend"] == request.param, support
-    return lim
+    return sandbox_limits_for(request.param, timeout_s=FAST.timeout_s, cpu_s=FAST.cpu_s)
 
 
 def test_pass_fail_and_output(limits):

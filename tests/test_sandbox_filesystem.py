@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import SANDBOX_BACKENDS, sandbox_limits_for
 
 from tdlm.errors import TDLMError
 from tdlm.evaluation.sandbox import SandboxLimits, core, host, isolation_support, run_python
@@ -37,11 +38,9 @@ print(json.dumps({"top": sorted(os.listdir("/")), "files": seen, "uid": os.getui
 """
 
 
-@pytest.fixture(scope="module", params=["bwrap", "inhouse"])
+@pytest.fixture(scope="module", params=SANDBOX_BACKENDS)
 def limits(request):
-    lim = SandboxLimits(timeout_s=20.0, backend=request.param)
-    assert isolation_support(lim)["level"] == "full"
-    return lim
+    return sandbox_limits_for(request.param, timeout_s=20.0)
 
 
 def test_the_root_holds_only_the_interpreter(limits):
@@ -147,3 +146,25 @@ def test_the_scorer_fails_closed_and_weak_rows_record_it(monkeypatch):
     full = driver._sample({"id": "mbpp/x", "index": 0, "prompt": "", "generation": "", "nfe": 1, "seconds": 0.1},
                           {"extracted": "", "correct": True, "status": "passed", "sandbox_weakened": []})  # fmt: skip
     assert "sandbox_weakened" not in full
+
+
+def test_an_explicit_backend_that_is_not_installed_is_refused_never_replaced(monkeypatch):
+    """Asking for bubblewrap where it is not installed is one line naming it, whatever allow_weak says; the
+    in-house namespaces are never substituted silently (issue 31), and ``auto`` still works."""
+    from tdlm.evaluation.sandbox import backend_unavailable, require_sandbox
+
+    monkeypatch.setattr(core, "_bwrap_path", lambda: None)
+    monkeypatch.setattr(core, "_required", {})
+    monkeypatch.setattr(core, "_plans", {})
+    lim = SandboxLimits(backend="bwrap", timeout_s=20.0)
+    assert "apt-get install bubblewrap" in backend_unavailable("bwrap") and backend_unavailable("auto") is None
+    support = isolation_support(lim)
+    assert not support["works"] and support["backend"] == "bwrap" and support["mechanism"] == "none", support
+    assert "\n" not in support["refusal"] and "'bwrap'" in support["refusal"], support["refusal"]
+    for allow in (False, True):
+        with pytest.raises(TDLMError, match="bwrap is not installed"):
+            require_sandbox(lim, allow_weak=allow)
+    with pytest.raises(TDLMError, match="SandboxLimits.backend is 'bwrap'"):
+        run_python("print(1)\n", lim)
+    auto = SandboxLimits(backend="auto", timeout_s=20.0)
+    assert isolation_support(auto)["backend"] == "inhouse" and run_python("print(1)\n", auto).passed

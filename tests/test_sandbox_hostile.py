@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import SANDBOX_BACKENDS, sandbox_limits_for
 
 from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python
 from tdlm.evaluation.scoring import score_code
@@ -37,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = default_data_dir()
 MBPP_FILE = DATA / "mbpp_sanitized_test.jsonl"
 HOSTILE = dict(timeout_s=15.0, cpu_s=3)
-BACKENDS = ["bwrap", "inhouse"]
+BACKENDS = list(SANDBOX_BACKENDS)
 
 # ------------------------------------------------------------------------------------------ the catalogue
 # (category, name, code, asserts, limits overrides, code of a sample run just before, for state between samples)
@@ -460,10 +461,7 @@ def test_catalogue_has_two_samples_per_category():
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend_limits(request):
-    lim = SandboxLimits(backend=request.param)
-    support = isolation_support(lim)
-    assert support["level"] == "full", support  # root here: every guarantee, on both backends
-    return lim
+    return sandbox_limits_for(request.param)  # root here: every guarantee, on both backends
 
 
 @pytest.mark.parametrize("entry", CATALOGUE, ids=[f"{e['cat']}-{e['name']}" for e in CATALOGUE])

@@ -26,7 +26,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import SANDBOX_BACKENDS
 from test_sandbox_hostile import CATALOGUE, HOSTILE, HostFixture, fill
+
+from tdlm.evaluation.sandbox import backend_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -149,20 +152,34 @@ def assert_contained(res: dict, host: HostFixture) -> None:
     assert host.daemons() == []
 
 
-def test_unprivileged_with_user_namespaces(env):
-    out = run_setting(env, [*SETPRIV, "--"], ["bwrap", "inhouse"])
+def skip_if_not_installed(backend: str) -> None:
+    if why := backend_unavailable(backend):
+        pytest.skip(f"sandbox backend {backend!r}: {why}")
+
+
+@pytest.mark.parametrize("backend", SANDBOX_BACKENDS)
+def test_unprivileged_with_user_namespaces(env, backend):
+    skip_if_not_installed(backend)
+    out = run_setting(env, [*SETPRIV, "--"], [backend])
     assert out["uid"] == UID
-    for backend, res in out["backends"].items():
-        assert res["support"]["level"] == "full" and res["refusal"] is None, (backend, res["support"])
-        assert res["support"]["mechanism"] == "rlimit-nofork", res["support"]  # no cgroup for this user here
-        assert_contained(res, env["host"])
-        assert {v["backend"] for v in res["samples"].values()} == {backend}
+    res = out["backends"][backend]
+    assert res["support"]["level"] == "full" and res["refusal"] is None, (backend, res["support"])
+    assert res["support"]["mechanism"] == "rlimit-nofork", res["support"]  # no cgroup for this user here
+    assert_contained(res, env["host"])
+    assert {v["backend"] for v in res["samples"].values()} == {backend}
 
 
-def test_refused_user_namespaces_as_root(env):
-    out = run_setting(env, [sys.executable, os.path.join(env["dir"], "userns_wrap.py")], ["bwrap", "auto"])
-    bw, auto = out["backends"]["bwrap"], out["backends"]["auto"]
+def test_refused_user_namespaces_as_root_bwrap_refuses(env):
+    skip_if_not_installed("bwrap")
+    out = run_setting(env, [sys.executable, os.path.join(env["dir"], "userns_wrap.py")], ["bwrap"])
+    bw = out["backends"]["bwrap"]
     assert bw["refusal"] and "namespace" in bw["refusal"], bw["support"]  # bubblewrap needs a user namespace
+    assert "samples" not in bw  # refused up front: nothing ran
+
+
+def test_refused_user_namespaces_as_root_auto_uses_inhouse(env):
+    out = run_setting(env, [sys.executable, os.path.join(env["dir"], "userns_wrap.py")], ["auto"])
+    auto = out["backends"]["auto"]
     assert auto["support"]["backend"] == "inhouse" and auto["support"]["level"] == "full", auto["support"]
     assert_contained(auto, env["host"])
 

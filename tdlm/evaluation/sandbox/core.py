@@ -226,6 +226,18 @@ def _bwrap_path() -> str | None:
     return shutil.which("bwrap", path="/usr/local/bin:/usr/bin:/bin:" + os.environ.get("PATH", ""))
 
 
+def backend_unavailable(backend: str) -> str | None:
+    """Why ``backend`` cannot be used on this machine at all (its program is not installed), or None.
+
+    Only presence is checked here; whether the kernel lets an installed backend isolate is
+    :func:`isolation_support`'s question. ``auto`` is always available (the in-house namespaces need no program).
+    """
+    if backend == "bwrap" and _bwrap_path() is None:
+        return ("bwrap is not installed (not on PATH, /usr/local/bin, /usr/bin or /bin; "
+                "Debian/Ubuntu: apt-get install bubblewrap)")
+    return None
+
+
 def _base_plan(limits: SandboxLimits, backend: str) -> _Plan:
     notes = []
     drop_to = NOBODY if _can_drop_to_nobody(limits.python) else None
@@ -250,6 +262,9 @@ def _base_plan(limits: SandboxLimits, backend: str) -> _Plan:
 
 
 def _plan(limits: SandboxLimits) -> _Plan:
+    if limits.backend != "auto" and (why := backend_unavailable(limits.backend)):
+        # an explicit backend is never silently replaced by another one
+        raise TDLMError(f"sandbox: SandboxLimits.backend is {limits.backend!r} but {why}; or use backend 'auto'")
     key = _plan_key(limits)
     with _plans_lock:
         if key in _plans:
@@ -544,7 +559,13 @@ def isolation_support(limits: SandboxLimits | None = None) -> dict[str, Any]:
     ``refusal`` (the one line MBPP scoring refuses with, "" when nothing is missing).
     """
     limits = limits or SandboxLimits()
-    plan = _plan(limits)
+    try:
+        plan = _plan(limits)
+    except TDLMError as e:  # the explicit backend is not installed: nothing can run, and the line says why
+        return {"works": False, "backend": limits.backend, "mechanism": "none",
+                "guarantees": dict.fromkeys(GUARANTEES, False), "missing": list(GUARANTEES),
+                "level": "weak: " + ",".join(GUARANTEES), "notes": [str(e)],
+                "refusal": f"{e} (refusing to score code)"}  # fmt: skip
     r = _execute("pass", limits, None, (), plan)
     missing = list(r.weakened) if r.passed else list(GUARANTEES)
     notes = list(plan.notes) + [n for n in r.notes if n not in plan.notes]
@@ -579,6 +600,6 @@ def require_sandbox(limits: SandboxLimits | None = None, allow_weak: bool = Fals
         support = isolation_support(limits)
         with _plans_lock:
             _required[key] = support
-    if support["missing"] and not allow_weak:
-        raise TDLMError(support["refusal"])
+    if support["missing"] and (not allow_weak or backend_unavailable(limits.backend)):
+        raise TDLMError(support["refusal"])  # a backend that is not installed cannot run even weakly
     return support
