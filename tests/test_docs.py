@@ -181,16 +181,20 @@ def _script(path: str):
 
 def test_quickstart_commands_parse(monkeypatch):
     """Each quickstart command (tiny preset and LLaDA-8B) names real files and parses with its entry point's own
-    argument parser; that the tiny ones run end to end was checked by hand (see the issue report)."""
+    argument parser; tests/test_quickstart.py runs the set-up and the tiny ones from a fresh clone."""
     from tdlm.training.launch import parse_launch
 
     monkeypatch.chdir(REPO)
     cmds = quickstart_commands()
-    assert [c[0] for c in cmds] == ["make", "make", "python", "python", "deepspeed", "deepspeed", "python", "python"]
+    assert [c[0] for c in cmds] == ["make", "source", "python", "deepspeed", "python", "python", "deepspeed", "python"]
     assert any("tiny" in " ".join(c) for c in cmds) and any("llada_8b" in " ".join(c) for c in cmds)
     for c in cmds:
         if c[0] == "make":
             assert re.search(rf"^{c[1]}:", (REPO / "Makefile").read_text(), re.M), c
+            continue
+        if c[0] == "source":
+            assert c[1:] == [".venv/bin/activate"], c  # the Makefile's VENV default
+            assert re.search(r"^VENV \?= \.venv$", (REPO / "Makefile").read_text(), re.M)
             continue
         script = next(a for a in c if a.endswith(".py"))
         args = c[c.index(script) + 1:]
