@@ -9,9 +9,10 @@ user's shell, both stated here:
   venv takes minutes and the network), and ``.venv`` in the clone is a link to the suite's own venv, which
   ``source .venv/bin/activate`` then activates; ``PYTHONPATH`` points at the clone so its code, not the editable
   install's checkout, is what runs;
-* the sizes: each tiny command runs with documented flags appended (they override the ones before them): 8 prompts
-  on one actor, 1 update, 2 problems per policy, W&B disabled. ``deepspeed`` also gets ``--master_port`` (a
-  launcher option, so it goes before the script) because other suites' ranks may hold the default port.
+* the sizes: each tiny command runs with documented flags appended (they override the ones before them):
+  16 prompts on one actor (one global micro-batch: 8 per rank x 2 ranks), 1 update, 2 problems per policy, W&B
+  disabled. ``deepspeed`` also gets ``--master_port`` (a launcher option, so it goes before the script) because
+  other suites' ranks may hold the default port.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Appended to each tiny command (first word + script): flags of that entry point's own --help.
 REDUCED = {
-    "ray_jobs/generate_trajectories.py": ["--num-prompts", "8", "--actors", "1", "--batch-size", "8",
-                                          "--shard-size", "8"],
+    "ray_jobs/generate_trajectories.py": ["--num-prompts", "16", "--actors", "1", "--batch-size", "16",
+                                          "--shard-size", "16"],
     "launcher/train.py": ["--max-steps", "1"],
     "eval/run.py": ["--limit", "2", "--batch-size", "2", "--warmup", "0", "--score-workers", "1"],
 }
