@@ -1,82 +1,15 @@
-"""Layer-allocation sweeps (Table 4): train and evaluate a list of allocations on the same trajectories and seeds.
-
-Locally, no W&B server needed (each allocation: DeepSpeed training -> evaluation -> model card; then Table 4):
-    python launcher/sweep.py run --config configs/sweep_tiny.yaml                 # the embedded tiny-arith default
-    python launcher/sweep.py run --config configs/sweep_llada_table4.yaml         # the paper's Table 4 (GPU node)
-With W&B sweeps (from the repository root; the agents may run on several nodes sharing output_dir):
-    python launcher/sweep.py wandb-file --config configs/sweep_llada_table4.yaml -o sweep.yaml
-    wandb sweep sweep.yaml                   # prints the sweep id
-    wandb agent <entity>/<project>/<sweep id>  # runs: launcher/sweep.py trial --config ... allocation=dispersed:8
-One allocation by hand (what an agent runs):
-    python launcher/sweep.py trial --config configs/sweep_tiny.yaml allocation=middle:3
-Table 4 again from the folder's JSON:
-    python eval/compare.py runs/sweeps/tiny-table4
-
-Training, evaluation and the trial runs log to one W&B project (`project`), group = `experiment`, tagged with the
-backbone, allocation and history; each adapter is logged as an artifact and each evaluation records the training run
-it evaluates. Overrides are `key=value` fields of the sweep config (`eval.limit=50`, `allocations=[all]`).
-Errors print one line and exit with status 2; a failed trial (e.g. out of memory) exits 1 and keeps its row.
-"""
+"""Layer-allocation sweeps (Table 4): ``python launcher/sweep.py run|trial|wandb-file --config ...`` (also the console
+script ``tdlm-sweep``). The command line and its help live in :mod:`tdlm.sweep.cli`; W&B sweep files run this file
+(``program: launcher/sweep.py``), so it stays."""
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, text in (("run", "every allocation of the sweep, one after another, then Table 4 (offline is fine)"),
-                       ("trial", "one allocation: allocation=SPEC (what `wandb agent` runs)"),
-                       ("wandb-file", "print (or write with -o) the W&B sweep file for `wandb sweep`")):
-        p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--config", required=True,
-                       help="sweep config YAML (configs/sweep_tiny.yaml, configs/sweep_llada_table4.yaml); fields of "
-                            "tdlm.sweep.config.SweepConfig")
-        if name == "wandb-file":
-            p.add_argument("-o", "--output", help="write the file here (default: print it)")
-        p.add_argument("overrides", nargs="*",
-                       help="key=value overrides of the sweep config (eval.limit=50); for trial: allocation=SPEC")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tdlm.errors import TDLMError
-    from tdlm.sweep.config import load_sweep_config
-    from tdlm.sweep.runner import run_sweep, write_wandb_file
-    from tdlm.sweep.trial import run_trial
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    os.environ.setdefault("WANDB_SILENT", "true")
-    args = build_parser().parse_args(argv)
-    try:
-        overrides = list(args.overrides)
-        allocation = None
-        if args.cmd == "trial":
-            picked = [o for o in overrides if o.startswith("allocation=")]
-            if len(picked) != 1:
-                raise TDLMError("trial: give exactly one allocation=SPEC (e.g. allocation=dispersed:8)")
-            overrides.remove(picked[0])
-            allocation = picked[0].split("=", 1)[1]
-        cfg = load_sweep_config(args.config, overrides)
-        if args.cmd == "wandb-file":
-            text = write_wandb_file(cfg, args.config, args.output, overrides)
-            if not args.output:
-                print(text, end="")
-            return 0
-        if args.cmd == "trial":
-            return run_trial(cfg, allocation, args.config)
-        return run_sweep(cfg, args.config, args.config, overrides)
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-
+from tdlm.sweep.cli import main  # noqa: E402 - after the path: a checkout run without the editable install
 
 if __name__ == "__main__":
     sys.exit(main())

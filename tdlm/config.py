@@ -28,8 +28,23 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert ``value`` against annotation ``tp`` (str, int, float, bool, None, list, unions)."""
+def _at(where: str, path: str) -> str:
+    """``file: section.key`` (or just the file / argument list when the problem is at the top)."""
+    return f"{where}: {path}" if path else where
+
+
+class FieldError(TDLMError):
+    """A bad key or value at ``path`` (``section.key``) of the mapping read from ``where``; ``keys`` lists the
+    unknown keys' full paths. :func:`from_dict` re-raises it naming the override that set the value, if one did."""
+
+    def __init__(self, where: str, path: str, detail: str, keys: list[str] | None = None) -> None:
+        self.where, self.path, self.detail, self.keys = where, path, detail, keys or []
+        super().__init__(f"{_at(where, path)}: {detail}")
+
+
+def _coerce(value: Any, tp: Any, where: str, path: str = "") -> Any:
+    """Check/convert ``value`` against annotation ``tp`` (str, int, float, bool, None, list, unions); errors are
+    ``<where>: <path>: expected ...`` with ``path`` the dotted key inside ``where`` (a file, --model_args ...)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -40,29 +55,29 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, where)
+                return _coerce(value, a, where, path)
             except TDLMError as e:
                 errors.append(str(e))
-        raise TDLMError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}; got {value!r}")
+        raise FieldError(where, path, f"expected {' or '.join(_type_name(a) for a in args)}; got {value!r}")
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, list | tuple):
-            raise TDLMError(f"{where}: expected a list; got {value!r}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+            raise FieldError(where, path, f"expected a list; got {value!r}")
+        return [_coerce(v, item, where, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise TDLMError(f"{where}: expected a mapping; got {value!r}")
+            raise FieldError(where, path, f"expected a mapping; got {value!r}")
         return dict(value)
     if tp is Any:
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise TDLMError(f"{where}: expected true/false; got {value!r}")
+        raise FieldError(where, path, f"expected true/false; got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise TDLMError(f"{where}: expected an integer; got {value!r}")
+        raise FieldError(where, path, f"expected an integer; got {value!r}")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
@@ -74,29 +89,58 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 number = None
             if number is not None and math.isfinite(number):
                 return number
-        raise TDLMError(f"{where}: expected a number; got {value!r}")
+        raise FieldError(where, path, f"expected a number; got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise TDLMError(f"{where}: expected a string; got {value!r}")
+        raise FieldError(where, path, f"expected a string; got {value!r}")
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise TDLMError(f"{where}: expected a mapping of {tp.__name__} fields; got {value!r}")
-        return from_dict(tp, value, where)
-    raise TDLMError(f"{where}: unsupported field type {tp!r}")
+            raise FieldError(where, path, f"expected a mapping of {tp.__name__} fields; got {value!r}")
+        return from_dict(tp, value, where, path)
+    raise FieldError(where, path, f"unsupported field type {tp!r}")
 
 
-def from_dict(cls: type[T], raw: dict, where: str = "config") -> T:
-    """Build dataclass ``cls`` from a mapping; unknown keys and wrong types raise TDLMError."""
+def from_dict(cls: type[T], raw: dict, where: str = "config", path: str = "") -> T:
+    """Build dataclass ``cls`` from a mapping; unknown keys and wrong types raise TDLMError naming
+    ``<where>: <section.key>`` (``where`` = the file or the argument list; ``path`` = where ``raw`` sits in it).
+
+    A value that an override set (``raw`` from :func:`apply_overrides`) is blamed on that override, not the file."""
+    try:
+        return _from_dict(cls, raw, where, path)
+    except FieldError as e:
+        found = _origin(getattr(raw, "origins", {}), e.keys or [e.path])
+        if found is None:
+            raise
+        label, key = found
+        detail = e.detail if e.keys or e.path == key else f"{e.path}: {e.detail}"
+        raise TDLMError(f"{label}: {detail}") from None
+
+
+def _from_dict(cls: type[T], raw: dict, where: str, path: str) -> T:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    prefix = f"{path}." if path else ""
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         near = difflib.get_close_matches(unknown[0], list(fields), n=1, cutoff=0.5)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise TDLMError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}{hint}")
-    values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in raw.items()}
+        hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
+        inside = f" in {path}" if path else ""
+        keys = [prefix + k for k in unknown]
+        raise FieldError(where, "", f"unknown key(s) {keys}; allowed{inside}: {sorted(fields)}{hint}", keys)
+    values = {k: _coerce(v, hints[k], where, prefix + k) for k, v in raw.items()}
     return cls(**values)
+
+
+def _origin(origins: dict[str, str], paths: list[str]) -> tuple[str, str] | None:
+    """(label, key) of the override that set one of ``paths`` or a section above it."""
+    for p in paths:
+        parts = p.split("[", 1)[0].split(".")
+        for n in range(len(parts), 0, -1):
+            key = ".".join(parts[:n])
+            if key in origins:
+                return origins[key], key
+    return None
 
 
 def to_dict(cfg: Any) -> dict:
@@ -111,9 +155,17 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+class _Overridden(dict):
+    """A raw mapping that remembers which override set which key (``origins``: ``section.key`` -> its label)."""
+
+    origins: dict[str, str]
+
+
 def apply_overrides(raw: dict, overrides: list[str], where: str = "override") -> dict:
-    """Apply dotted ``section.key=value`` overrides to a raw mapping (validated later by from_dict)."""
-    out = _deepcopy(raw)
+    """Apply dotted ``section.key=value`` overrides to a raw mapping (validated later by :func:`from_dict`, which
+    blames a bad value on its override, labelled ``<where> 'key=value'``)."""
+    out = _Overridden(_deepcopy(raw))
+    out.origins = dict(getattr(raw, "origins", {}))
     for item in overrides:
         if "=" not in item:
             raise TDLMError(f"{where} {item!r}: expected key=value (e.g. train.max_steps=100)")
@@ -125,6 +177,7 @@ def apply_overrides(raw: dict, overrides: list[str], where: str = "override") ->
             if not isinstance(node, dict):
                 raise TDLMError(f"{where} {item!r}: {p} is not a section")
         node[parts[-1]] = _parse_scalar(value)
+        out.origins[".".join(parts)] = f"{where} {item!r}"
     return out
 
 
@@ -218,7 +271,8 @@ class SuggestingParser(argparse.ArgumentParser):
                 near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1, cutoff=0.6)
                 parts.append(f"{arg} (did you mean {near[0]}?)" if near and arg.startswith("-") else arg)
             message = "unrecognized arguments: " + " ".join(parts)
-        super().error(message)
+        # One line: the usage block (22 lines for the planner) buried the mistake; --help still prints it.
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
 @dataclasses.dataclass

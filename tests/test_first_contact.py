@@ -169,13 +169,28 @@ def test_launch_override_mistakes_name_the_override_not_the_file():
         parse_launch([*base, "trian.seed=1"])
 
 
-def test_yaml_unknown_keys_get_did_you_mean(tmp_path):
-    from tdlm.config import load_config
+def test_yaml_mistakes_read_as_file_colon_section_key(tmp_path):
+    """Issue 30: ``run.yaml.train: unknown key(s)`` read like a file name; now ``run.yaml: train.key``."""
+    from tdlm.config import apply_overrides, from_dict, load_config, load_yaml
 
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  max_stesp: 3\n")
-    with pytest.raises(TDLMError, match=rf"{path}.train: unknown key\(s\) \['max_stesp'\].*did you mean 'max_steps'"):
+    with pytest.raises(TDLMError, match=rf"^{path}: unknown key\(s\) \['train.max_stesp'\]; allowed in train: "
+                                        r".*; did you mean 'train.max_steps'\?$"):
         load_config(RunConfig, path)
+    path.write_text("optim:\n  lr: fast\nmodel:\n  layers: [1, x]\n")
+    with pytest.raises(TDLMError, match=rf"^{path}: optim.lr: expected a number; got 'fast'$"):
+        load_config(RunConfig, path)
+    path.write_text("train:\n  max_steps: 3\n")
+    raw = apply_overrides(load_yaml(path), ["train.max_steps=many"])
+    with pytest.raises(TDLMError, match=r"^override 'train.max_steps=many': expected an integer; got 'many'$"):
+        from_dict(RunConfig, raw, str(path))  # the file is fine: the override is blamed
+    raw = apply_overrides(load_yaml(path), ["optim={lr: fast}"])
+    with pytest.raises(TDLMError, match=r"^override 'optim=\{lr: fast\}': optim.lr: expected a number; got 'fast'$"):
+        from_dict(RunConfig, raw, str(path))
+    path.write_text("train:\n  max_steps: lots\n")
+    with pytest.raises(TDLMError, match=rf"^{path}: train.max_steps: expected an integer; got 'lots'$"):
+        from_dict(RunConfig, apply_overrides(load_yaml(path), ["train.seed=1"]), str(path))  # the file's own
 
 
 # -- 7. one schema: eval/run.py's flags are generated from EvalConfig ---------------------------------------------

@@ -153,9 +153,27 @@ def test_python_m_tdlm_harness_cli(adapter, tmp_path):
     (["--model_args", "pretrained=tiny-arith", "--limit", "-3"], r"--limit -3: expected a positive number"),
     (["--model_args", "pretrained=tiny-arith", "--limit=2.5"], r"--limit 2.5: expected a positive number"),
     (["--model_args", "pretrained=tiny-arith", "--limit", "many"], r"--limit 'many': expected a positive number"),
+    # issue 30: these passed the pre-check and failed inside lm-eval (policy) or only at decode time
+    (["--model_args", "pretrained=tiny-arith,policy=treshold"],
+     r"policy=treshold: expected original \| threshold \| tdlm \| entropy; did you mean policy=threshold\?$"),
+    (["--model_args", "pretrained=tiny-arith,cache=dul"], r"cache=dul: expected none \| prefix \| dual; did you mean "
+                                                          r"cache=dual\?$"),
+    (["--model_args", "pretrained=tiny-arith,policy=tdlm"], r"policy=tdlm needs adapter="),
+    (["--model_args", "pretrained=tiny-arith,adapter=x,policy=original"], r"adapter= is used by policy=tdlm only"),
+    (["--model_args", "pretrained=tiny-arith,history=last:0"], r"history=last:0: expected full, current, last:k"),
+    (["--model_args", "pretrained=tiny-arith,gen_length=40,block_size=16"], r"^error: --model_args: .*block_size"),
+    (["--model_args", "pretrained=tiny-arith,compile=fast"], r"^error: --model_args: .*compile"),
+    (["--model_args", "pretrained=no-such-backbone"], r"pretrained=no-such-backbone: unknown backbone"),
 ])
-def test_cli_mistakes_are_one_line(argv, pattern, capsys):
+def test_cli_mistakes_are_one_line(argv, pattern, capsys, monkeypatch):
+    import lm_eval.__main__
+
     from tdlm.harness.__main__ import main
+
+    def started(*a, **k):
+        raise AssertionError("lm-eval started before the command line was checked")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", started)
 
     rc = main(["--model", "tdlm", "--tasks", "tdlm_arith", *argv])
     err = capsys.readouterr().err
@@ -165,15 +183,44 @@ def test_cli_mistakes_are_one_line(argv, pattern, capsys):
     assert __import__("re").search(pattern, lines[0]), lines[0]
 
 
-def test_cli_unknown_task_is_one_line_with_nearest(capsys):
+def test_cli_unknown_task_is_one_line_with_nearest_before_lm_eval_indexes(capsys, monkeypatch):
+    """Issue 30: an unknown task was reported after lm-eval had indexed its ~14,000 task files (53-444 s)."""
+    import lm_eval.__main__
+    import lm_eval.tasks
+
     from tdlm.harness.__main__ import main
 
-    rc = main(["--model", "tdlm", "--model_args", "pretrained=tiny-arith", "--tasks", "tdlm_arihm", "--limit", "2"])
-    err = capsys.readouterr().err
-    assert rc == 2
-    last = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert last and "unknown task 'tdlm_arihm' (did you mean 'tdlm_arith'?)" in last[0], err[-2000:]
-    assert "Traceback" not in err
+    def indexed(*a, **k):
+        raise AssertionError("lm-eval indexed its tasks (or started) before --tasks was checked")
+
+    monkeypatch.setattr(lm_eval.tasks.TaskManager, "__init__", indexed)
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", indexed)
+    for tasks, want in (("tdlm_arihm", "unknown task 'tdlm_arihm' (did you mean 'tdlm_arith'?)"),
+                        ("tdlm_arith,gsm8k_cot_zeroshott", "unknown task 'gsm8k_cot_zeroshott' (did you mean "
+                                                           "'gsm8k_cot_zeroshot'?)")):  # fmt: skip
+        rc = main(["--model", "tdlm", "--model_args", "pretrained=tiny-arith", "--tasks", tasks, "--limit", "2"])
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: --tasks: "), err[-2000:]
+        assert want in lines[0], lines[0]
+
+
+def test_task_names_are_read_from_the_task_files():
+    """The line scan finds the shipped tasks and tags, lm-eval's tasks, groups and list-valued tags (the full list
+    was compared with lm-eval's TaskManager by hand: see the issue 30 report)."""
+    from pathlib import Path
+
+    import lm_eval
+
+    import tdlm.harness
+    from tdlm.harness.__main__ import task_names
+
+    shipped = task_names((tdlm.harness.TASKS_DIR,))
+    assert {"tdlm_gsm8k", "tdlm_math500", "tdlm_mbpp", "tdlm_arith", "tdlm_multi", "tdlm_table1",
+            "tdlm_tiny"} <= shipped
+    known = task_names((str(Path(lm_eval.__file__).parent / "tasks"),))
+    assert {"gsm8k", "gsm8k_cot_zeroshot", "mmlu", "hellaswag", "bbh_cot_fewshot_boolean_expressions"} <= known
+    assert len(known) > 5000
 
 
 def test_cli_rewrites_the_alias_and_records_the_real_device():

@@ -43,10 +43,38 @@ def test_sweep_config_plans_every_allocation_and_names_bad_ones(monkeypatch):
         load_sweep_config(TINY, ["train_overrides=[model.layers=all]"])
     with pytest.raises(TDLMError, match=r"eval.baselines must be a list of original, threshold, entropy"):
         load_sweep_config(TINY, ["eval.baselines=[tdlm]"])
-    with pytest.raises(TDLMError, match=r"unknown key\(s\) \['allocation'\]"):
+    with pytest.raises(TDLMError, match=r"^override 'allocation=all': unknown key 'allocation'; did you mean "
+                                        r"'allocations'\?$"):
         load_sweep_config(TINY, ["allocation=all"])
     default = load_sweep_config("configs/sweep_llada_table4.yaml")
     assert default.allocations == ["dispersed:8", "middle:16", "dispersed:16", "all"]  # Table 4
+
+
+def test_sweep_override_mistakes_blame_the_override_and_file_mistakes_name_file_and_key(monkeypatch, tmp_path):
+    """Issue 30: an override's mistake was reported as the sweep YAML's (``configs/sweep_tiny.yaml.eval: ...``)."""
+    monkeypatch.chdir(REPO)
+    for override, pattern in (
+        ("eval.limt=50", r"^override 'eval.limt=50': unknown key 'eval.limt'; did you mean 'eval.limit'\?$"),
+        ("eval.limit=many", r"^override 'eval.limit=many': expected int or NoneType; got 'many'$"),
+        ("eval.thresholds=[1.5]", r"^override 'eval.thresholds=\[1.5\]': eval.thresholds must be a non-empty list "
+                                  r"of taus in \[0, 1\]; got \[1.5\]$"),
+        ("experiment=a b", r"^override 'experiment=a b': experiment must be a name"),
+        ("ds=nope.json", r"^override 'ds=nope.json': ds must be an existing file; got 'nope.json'$"),
+        ("train_overrides=[train.max_steps=many]",
+         r"^override 'train_overrides=\[train.max_steps=many\]': item 'train.max_steps=many': expected an integer; "
+         r"got 'many'$"),
+    ):
+        with pytest.raises(TDLMError, match=pattern):
+            load_sweep_config(TINY, [override])
+    bad = tmp_path / "sweep.yaml"
+    bad.write_text((REPO / TINY).read_text().replace("  limit: 200", "  limt: 200"))
+    with pytest.raises(TDLMError, match=rf"^{bad}: unknown key\(s\) \['eval.limt'\]; allowed in eval: .*did you mean "
+                                        r"'eval.limit'\?$"):
+        load_sweep_config(bad)
+    bad.write_text((REPO / TINY).read_text().replace("train.max_steps=100", "train.max_stpes=100"))
+    with pytest.raises(TDLMError, match=rf"^{bad}: train_overrides 'train.max_stpes=100': unknown key\(s\) "
+                                        r"\['train.max_stpes'\].*did you mean 'train.max_steps'\?$"):
+        load_sweep_config(bad)
 
 
 def test_wandb_sweep_file_runs_the_trial_command_the_local_runner_runs(monkeypatch):

@@ -84,7 +84,38 @@ class HarnessConfig:
             raise bad("block_size", "an integer >= 1", self.block_size)
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise bad("dtype", "float32, bfloat16 or float16", self.dtype)
+        from tdlm.decoding import CACHE_MODES, POLICIES
+        from tdlm.temporal.history import HistoryPolicy
+
+        for name, value, allowed in (("policy", self.policy, POLICIES), ("cache", self.cache, CACHE_MODES)):
+            if value is not None and value not in allowed:
+                near = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
+                raise bad(name, " | ".join(allowed) + (f"; did you mean {name}={near[0]}?" if near else ""), value)
+        policy = self.resolved_policy()
+        if policy == "tdlm" and not self.adapter:
+            raise TDLMError("--model_args: policy=tdlm needs adapter=<folder or Hub repo id>")
+        if self.adapter and policy != "tdlm":
+            raise TDLMError(f"--model_args: adapter= is used by policy=tdlm only; policy is {policy}")
+        if self.history is not None:
+            try:
+                HistoryPolicy.parse(self.history)
+            except TDLMError:
+                raise bad("history", "full, current, last:k or latent:M (k, M >= 1)", self.history) from None
+        try:
+            self.decode_config().validate()
+        except TDLMError as e:
+            raise TDLMError(f"--model_args: {e}") from None
         return self
+
+    def resolved_policy(self) -> str:
+        return self.policy or ("tdlm" if self.adapter else "threshold")
+
+    def decode_config(self):  # noqa: ANN201 - tdlm.decoding.DecodeConfig, imported lazily (lm-eval loads this file)
+        from tdlm.decoding import DecodeConfig
+
+        return DecodeConfig(policy=self.resolved_policy(), gen_length=self.gen_length, block_size=self.block_size,
+                            threshold=self.threshold, entropy_threshold=self.entropy_threshold,
+                            stop_at_eos=self.stop_at_eos, cache=self.cache, compile=self.compile)
 
 
 _ALIASES = {"backbone": "pretrained"}
@@ -130,21 +161,13 @@ class TDLMHarnessLM(LM):
         import torch
 
         from tdlm.data.tokenizer import load_tokenizer, stop_token_ids
-        from tdlm.decoding import DecodeConfig
         from tdlm.models.loading import load_backbone
         from tdlm.temporal.model import TDLM
 
-        self.config = parse_model_args(model_args)
+        self.config = parse_model_args(model_args)  # every value checked (HarnessConfig.check)
         c = self.config
-        policy = c.policy or ("tdlm" if c.adapter else "threshold")
-        if policy == "tdlm" and not c.adapter:
-            raise TDLMError("--model_args: policy=tdlm needs adapter=<folder or Hub repo id>")
-        if c.adapter and policy != "tdlm":
-            raise TDLMError(f"--model_args: adapter= is used by policy=tdlm only; policy is {policy}")
-        self.decode_config = DecodeConfig(policy=policy, gen_length=c.gen_length, block_size=c.block_size,
-                                          threshold=c.threshold, entropy_threshold=c.entropy_threshold,
-                                          stop_at_eos=c.stop_at_eos, cache=c.cache,
-                                          compile=c.compile).validate()  # fmt: skip
+        policy = c.resolved_policy()
+        self.decode_config = c.decode_config().validate()
         self.batch_size_per_call = _batch_size(batch_size)
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             if device is not None:  # the harness's default is cuda:0; as its HF model does, fall back to the CPU

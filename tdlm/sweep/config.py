@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tdlm.config import apply_overrides, from_dict, load_yaml, to_dict
+from tdlm.config import apply_overrides, check_override_keys, from_dict, load_yaml, to_dict
 from tdlm.errors import TDLMError
 from tdlm.training.config import RunConfig
 
@@ -82,18 +82,28 @@ def label(spec: str, layers: list[int]) -> str:
 
 
 def load_sweep_config(path: str | Path | None, overrides: list[str] | None = None) -> SweepConfig:
+    """The sweep file + ``key=value`` overrides; a mistake in an override is blamed on the override (``override
+    'eval.limt=50': unknown key 'eval.limt'; did you mean 'eval.limit'?``), one in the file on ``file: key``."""
     source = str(path) if path else "sweep config"
-    cfg = from_dict(SweepConfig, apply_overrides(load_yaml(path), overrides or []), source)
-    validate(cfg, source)
+    overrides = list(overrides or [])
+    check_override_keys(SweepConfig, overrides)
+    raw = apply_overrides(load_yaml(path), overrides)
+    cfg = from_dict(SweepConfig, raw, source)
+    validate(cfg, source, getattr(raw, "origins", {}))
     return cfg
 
 
-def validate(cfg: SweepConfig, source: str) -> None:
+def validate(cfg: SweepConfig, source: str, origins: dict[str, str] | None = None) -> None:
+    """Every field's value; ``origins`` (``key`` -> override label) names the override that set a bad one."""
     from tdlm.decoding import POLICIES
     from tdlm.tasks import TASK_NAMES
 
     def bad(name: str, want: str, got) -> TDLMError:
-        return TDLMError(f"{source}: {name} must be {want}; got {got!r}")
+        parts = name.split(".")
+        who = next((origins[".".join(parts[:n])] for n in range(len(parts), 0, -1)
+                    if ".".join(parts[:n]) in (origins or {})), None)  # fmt: skip
+        return TDLMError(f"{who}: {name} must be {want}; got {got!r}" if who else
+                         f"{source}: {name} must be {want}; got {got!r}")
 
     if not cfg.experiment or not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.experiment):
         raise bad("experiment", "a name of letters, digits, '.', '_' or '-'", cfg.experiment)
@@ -122,20 +132,25 @@ def validate(cfg: SweepConfig, source: str) -> None:
             raise bad("eval.baselines", "a list of original, threshold, entropy", e.baselines)
     if not e.thresholds or any(not 0.0 <= t <= 1.0 for t in e.thresholds):
         raise bad("eval.thresholds", "a non-empty list of taus in [0, 1]", e.thresholds)
-    for p in (cfg.train_config, cfg.ds):
-        if not Path(p).exists():
-            raise TDLMError(f"{source}: {'train_config' if p == cfg.train_config else 'ds'}: {p} not found")
+    for name in ("train_config", "ds"):
+        if not Path(getattr(cfg, name)).exists():
+            raise bad(name, "an existing file", getattr(cfg, name))
+    # Each train_overrides item against the run config now, not when the first trial starts; an item given on the
+    # command line (train_overrides=[...]) is blamed on that override.
+    given = (origins or {}).get("train_overrides")
+    base_run(cfg, source, f"{given}: item" if given else None)
 
 
-def base_run(cfg: SweepConfig, source: str) -> RunConfig:
-    """The trial run config without the allocation (train_config + train_overrides)."""
-    raw = apply_overrides(load_yaml(cfg.train_config), cfg.train_overrides, f"{source}: train_overrides")
+def base_run(cfg: SweepConfig, source: str, where: str | None = None) -> RunConfig:
+    """The trial run config without the allocation (train_config + train_overrides); a bad item of
+    train_overrides is named as ``<where> 'key=value'`` (default ``<sweep file>: train_overrides``)."""
+    raw = apply_overrides(load_yaml(cfg.train_config), cfg.train_overrides, where or f"{source}: train_overrides")
     return from_dict(RunConfig, raw, cfg.train_config)
 
 
-def plan(cfg: SweepConfig, spec: str, source: str) -> AllocationPlan:
-    """Resolve one allocation on the backbone's meta copy: indices and parameter count, or one line naming the
-    sweep file and the allocation."""
+def plan(cfg: SweepConfig, spec: str, source: str, where: str | None = None) -> AllocationPlan:
+    """Resolve one allocation on the backbone's meta copy: indices and parameter count, or one line naming where
+    the allocation was written (``where``; default ``<sweep file>: allocations: 'SPEC'``)."""
     import torch
 
     from tdlm.models.loading import load_backbone_meta
@@ -151,7 +166,7 @@ def plan(cfg: SweepConfig, spec: str, source: str) -> AllocationPlan:
         with torch.device("meta"):
             model = TDLM(meta, temporal_config(run))
     except TDLMError as e:
-        raise TDLMError(f"{source}: allocations: {spec!r} on {run.model.backbone}: {e}") from e
+        raise TDLMError(f"{where or f'{source}: allocations: {spec!r}'} on {run.model.backbone}: {e}") from e
     return AllocationPlan(spec=spec, slug=slug(spec), layers=list(model.layer_ids), num_layers=meta.num_layers,
                           parameters=model.num_temporal_parameters(), run=run)
 

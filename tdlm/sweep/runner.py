@@ -85,7 +85,7 @@ def agent_command(spec: dict, point: dict) -> list[str]:
 
 def run_sweep(cfg: SweepConfig, config_path: str, source: str, overrides: list[str] | tuple[str, ...] = ()) -> int:
     """Every allocation, in order, through the trial command; then Table 4. Returns 1 if any trial failed."""
-    from tdlm.sweep.table import write_table4
+    from tdlm.sweep.table import plot_sweep, write_table4
 
     plans = plan_all(cfg, source)  # every allocation checked against the backbone before anything runs
     spec = wandb_sweep_spec(cfg, config_path, overrides)
@@ -99,7 +99,9 @@ def run_sweep(cfg: SweepConfig, config_path: str, source: str, overrides: list[s
         if rc != 0:
             failed.append(f"{p.spec} (exit {rc})")
     text, path = write_table4(cfg.output_dir)
-    print("\n" + text + f"\n(written to {path})", flush=True)
+    plots = plot_sweep(cfg.output_dir)
+    print("\n" + text + f"\n(written to {path}; comparison plots: {', '.join(str(p) for p in plots) or 'none'})",
+          flush=True)
     if failed:
         print(f"failed trials: {', '.join(failed)} (recorded in the table)", file=sys.stderr, flush=True)
         return 1

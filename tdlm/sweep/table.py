@@ -108,3 +108,25 @@ def write_table4(path: str | os.PathLike) -> tuple[str, Path]:
     dest = Path(path) / "table4.md"
     dest.write_text(text)
     return text, dest
+
+
+def plot_sweep(path: str | os.PathLike) -> list[Path]:
+    """``<sweep>/pareto_<task>.png``: every allocation's TDLM frontier (one line per allocation, a point per tau)
+    against the baselines, from the folder's evaluations (each trial's own ``eval/<slug>/pareto_*.png`` holds only
+    its adapter). Returns the written paths (none before anything was evaluated)."""
+    from tdlm.evaluation.plot import plot_pareto
+    from tdlm.evaluation.report import TASK_TITLES as EVAL_TITLES
+
+    sweep, _trials, runs = load_sweep(path)
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["task"], r["gen_length"], r["block_size"]), []).append(r)
+    multi = len({k[1:] for k in groups}) > 1
+    out = []
+    for (task, gen, block), group in groups.items():
+        n = len({r.get("adapter_label") for r in group if r["policy"] == "tdlm"})
+        title = (f"{TITLES.get(task) or EVAL_TITLES.get(task, task)}: {n} allocation(s) of sweep "
+                 f"{sweep.get('experiment')} against the baselines ({sweep.get('backbone')}, N={gen}, block {block})")
+        name = f"pareto_{task}" + (f"_N{gen}_b{block}" if multi else "") + ".png"
+        out.append(plot_pareto(group, Path(path) / name, title))
+    return out

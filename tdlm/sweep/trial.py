@@ -273,12 +273,13 @@ def trial_wandb(cfg: SweepConfig, p: AllocationPlan, record: dict, agent_env: di
             os.environ.pop(k, None)
 
 
-def run_trial(cfg: SweepConfig, spec: str, source: str) -> int:
-    """Train, evaluate and record one allocation; 0 = done, 1 = training or evaluation failed (recorded)."""
+def run_trial(cfg: SweepConfig, spec: str, source: str, where: str | None = None) -> int:
+    """Train, evaluate and record one allocation; 0 = done, 1 = training or evaluation failed (recorded).
+    ``where`` names the allocation in errors (``allocation=SPEC`` when it came from the command line)."""
     from tdlm.hub import write_model_card
 
     agent_env = {k: os.environ.pop(k) for k in AGENT_ENV if k in os.environ}  # only the trial's own run uses them
-    p = plan(cfg, spec, source)
+    p = plan(cfg, spec, source, where)
     out = Path(cfg.output_dir)
     paths = TrialPaths(out, p.slug)
     print(f"== trial {p.slug}: layers {p.layers} ({p.parameters:,} temporal parameters) -> {out}", flush=True)
@@ -315,6 +316,10 @@ def run_trial(cfg: SweepConfig, spec: str, source: str) -> int:
         record["eval_dirs"].append(str(paths.baselines))
     write_model_card(paths.adapter, record["eval_dirs"])
     _write_json(paths.trial / TRIAL_RECORD, record)
+    from tdlm.sweep.table import plot_sweep
+
+    # Every finished trial redraws the sweep's comparison (under `wandb agent` there is no end-of-sweep step).
+    record["sweep_plots"] = [str(x) for x in plot_sweep(out)]
     record["wandb"] = trial_wandb(cfg, p, record, agent_env)
     _write_json(paths.trial / TRIAL_RECORD, record)
     for r in record["results"]:

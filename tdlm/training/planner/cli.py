@@ -1,4 +1,9 @@
-"""Command line of the memory planner: ``python -m tdlm.training.planner --help``."""
+"""Command line of the memory planner: ``python -m tdlm.training.planner --help``.
+
+The arguments are parsed before torch and the planner's model are imported, so a mistyped flag is one line ("did
+you mean --gpu-mem?", no usage block) at once. The flag tables below are plain literals for that reason; a test
+checks them against the modules they mirror (``PRESETS``, ``DTYPE_BYTES``, ``DSKnobs``).
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,19 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
+from tdlm.config import SuggestingParser
 from tdlm.errors import TDLMError
-from tdlm.models.loading import PRESETS
-from tdlm.training.planner.measure import _measure_here
-from tdlm.training.planner.model import DTYPE_BYTES, DSKnobs, inventory, plan, readme_table, resolve_backbone
+
+if TYPE_CHECKING:
+    from tdlm.training.planner.model import DSKnobs
+
+# Mirrors of tdlm.models.loading.PRESETS, tdlm.training.planner.model.DTYPE_BYTES and DSKnobs' defaults (tested).
+PRESET_NAMES = ("tiny-llada", "tiny-dream")
+DTYPES = ("bf16", "fp32")
+DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_000_000,
+               "max_live_parameters": 1_000_000_000, "param_persistence_threshold": 100_000}
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -28,7 +39,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = SuggestingParser(
         prog="python -m tdlm.training.planner",
         description="Predict the peak GPU memory per rank of TDLM training (frozen backbone + temporal adapters, "
         "DeepSpeed ZeRO), broken down by component; formulas in the tdlm.training.planner.model docstring. "
@@ -38,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backbone",
         default="llada-8b",
-        help="'llada-8b' or 'dream-7b' (release configs), a preset (" + ", ".join(PRESETS) + "), or a "
+        help="'llada-8b' or 'dream-7b' (release configs), a preset (" + ", ".join(PRESET_NAMES) + "), or a "
         "checkpoint folder / its config.json (only the config is read)",
     )
     ap.add_argument(
@@ -54,10 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--response-len", type=int, default=None, help="N response tokens (default L // 2)")
     ap.add_argument("--supervised", type=int, default=None, help="S supervised tokens per micro-batch (default B*N)")
     ap.add_argument("--micro-batch", type=int, default=1, help="B trajectories per GPU per micro-step")
-    ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="model / compute dtype")
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16", help="model / compute dtype")
     ap.add_argument(
         "--grad-dtype",
-        choices=sorted(DTYPE_BYTES),
+        choices=DTYPES,
         default=None,
         help="DeepSpeed grad_accum_dtype (default: the model dtype, as DeepSpeed does)",
     )
@@ -105,28 +116,28 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help=f"DeepSpeed reduce_bucket_size (elements); default: the --ds file's value, "
-        f"else DeepSpeed's ({DSKnobs.reduce_bucket_size:,})",
+        f"else DeepSpeed's ({DS_DEFAULTS['reduce_bucket_size']:,})",
     )
     ap.add_argument(
         "--prefetch-bucket-size",
         type=int,
         default=None,
         help=f"stage3_prefetch_bucket_size (elements); default: the --ds file's value, "
-        f"else DeepSpeed's ({DSKnobs.prefetch_bucket_size:,})",
+        f"else DeepSpeed's ({DS_DEFAULTS['prefetch_bucket_size']:,})",
     )
     ap.add_argument(
         "--max-live-parameters",
         type=int,
         default=None,
         help=f"stage3_max_live_parameters (elements); default: the --ds file's value, "
-        f"else DeepSpeed's ({DSKnobs.max_live_parameters:,})",
+        f"else DeepSpeed's ({DS_DEFAULTS['max_live_parameters']:,})",
     )
     ap.add_argument(
         "--param-persistence-threshold",
         type=int,
         default=None,
         help=f"stage3_param_persistence_threshold (elements); default: the --ds file's value, "
-        f"else DeepSpeed's ({DSKnobs.param_persistence_threshold:,})",
+        f"else DeepSpeed's ({DS_DEFAULTS['param_persistence_threshold']:,})",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument(
@@ -149,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _engine_from_ds(args: argparse.Namespace, hidden_size: int) -> DSKnobs:
     """Fill the engine flags left unset from --ds (or DeepSpeed's defaults); returns the knobs."""
+    from tdlm.training.planner.model import DSKnobs
+
     ds: dict = {}
     if args.ds:
         from tdlm.training.ds_config import load_ds_json
@@ -177,7 +190,12 @@ def _engine_from_ds(args: argparse.Namespace, hidden_size: int) -> DSKnobs:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # before the heavy imports: a mistyped flag costs no torch import
+    import torch
+
+    from tdlm.training.planner.measure import _measure_here
+    from tdlm.training.planner.model import inventory, plan, readme_table, resolve_backbone
+
     try:
         spec = resolve_backbone(args.backbone)
         knobs = _engine_from_ds(args, inventory(spec).backbone.hidden)
