@@ -16,7 +16,9 @@ from conftest import SANDBOX_BACKENDS, sandbox_limits_for
 
 from tdlm.errors import TDLMError
 from tdlm.evaluation.sandbox import SandboxLimits, run_python, split_asserts
-from tdlm.evaluation.sandbox.verdict import MAX_DEPTH, decode_values, defined_names, excerpt, judge
+from tdlm.evaluation.sandbox.trusted import BUDGETS, decode_values
+from tdlm.evaluation.sandbox.verdict import excerpt, judge
+from tdlm.tasks.mbpp import reference_names
 
 FAST = SandboxLimits(timeout_s=15.0, cpu_s=5)
 
@@ -105,11 +107,23 @@ def test_limits_are_validated():
 def test_split_asserts_gives_the_sample_only_the_calls():
     s = split_asserts(["assert set(similar((3, 4), (4, 5))) == set((4,))",
                        "assert math.isclose(area(2), 12.56, rel_tol=0.001)",
-                       "assert f(g(1)) == [1, 2]", "assert is_ok(3)"], ["import math"])  # fmt: skip
-    assert [x.calls for x in s] == [("similar((3, 4), (4, 5))",), ("area(2)",), ("f(g(1))",), ("is_ok(3)",)]
-    assert judge(s, {0: [4], 1: 12.5664, 2: [1, 2], 3: 1}, {}, ["import math"])[0]
-    ok, verdicts, why = judge(s, {0: [4, 5], 1: 12.5664, 2: [1, 2]}, {3: "ValueError: x"}, ["import math"])
-    assert not ok and verdicts == [False, True, True, False] and why.startswith("test 1"), why
+                       "assert f(g(1)) == [1, 2]", "assert is_ok(3)", "assert f(1).startswith('P')"],
+                      ["import math"])  # fmt: skip
+    assert [x.calls for x in s] == [("similar((3, 4), (4, 5))",), ("area(2)",), ("g(1)", "f(<0>)"), ("is_ok(3)",),
+                                    ("f(1)",)]  # fmt: skip
+    assert [x.check for x in s] == ["set(_tdlm_v0) == set((4,))", "math.isclose(_tdlm_v0, 12.56, rel_tol=0.001)",
+                                    "_tdlm_v1 == [1, 2]", "_tdlm_v0", "_tdlm_v0.startswith('P')"]  # fmt: skip
+    # the arguments are the evaluator's values; g(1) stays in the sample as f's argument, only f's value comes back
+    assert s[0].ops[0][2] == ([("v", (3, 4)), ("v", (4, 5))], []) and s[2].ops == (
+        ("g", [], ([("v", 1)], []), False), ("f", [], ([("r", 0)], []), True))
+    lines = [[0, "ok", ["l", [["i", "4"]]]], [1, "ok", ["f", (12.5664).hex()]], [3, "ok", ["l", [["i", "1"],
+             ["i", "2"]]]], [4, "ok", ["i", "1"]], [5, "ok", "PY"]]  # fmt: skip
+    v = judge(s, "\n".join(json.dumps(x) for x in lines).encode(), ["import math"], 1 << 20)
+    assert v.ok and v.verdicts == (True,) * 5 and v.completed and 0 < v.cpu_s < 2, v
+    lines[0] = [0, "ok", ["l", [["i", "4"], ["i", "5"]]]]
+    v = judge(s, "\n".join(json.dumps(x) for x in lines[:3]).encode(), ["import math"], 1 << 20)
+    assert not v.ok and v.verdicts == (False, True, True, False, False) and v.detail.startswith("test 1"), v
+    assert not v.completed and "no value came back" in judge(s[3:4], b"", [], 100).detail
 
 
 def test_split_asserts_rejects_what_is_not_one_assert():
@@ -120,30 +134,38 @@ def test_split_asserts_rejects_what_is_not_one_assert():
         split_asserts(["assert f(1)"], ["os.system('x')"])
 
 
-def test_a_shadowed_builtin_is_the_candidates_only_where_nothing_else_is():
-    code = "def sum(a, b):\n    return a - b\nset = list\n"
-    assert {"sum", "set"} <= defined_names(code)
-    s = split_asserts(["assert sum(10, 15) == 6", "assert set(f(1)) == set((1,))"], [], code)
-    assert s[0].calls == ("sum(10, 15)",)  # MBPP 126: the test only calls the candidate's sum
+def test_a_builtin_is_the_candidates_only_where_the_reference_defines_it():
+    assert {"sum", "H", "max"} <= reference_names("def sum(a, b):\n    return a - b\nif True:\n    def max(x):\n"
+                                                  "        global H\n        H = 1\nimport math\n")  # fmt: skip
+    assert "math" not in reference_names("import math\ndef f(x):\n    return math.pi\n")
+    s = split_asserts(["assert sum(10, 15) == 6", "assert set(f(1)) == set((1,))"], [], {"sum", "f"})
+    assert s[0].calls == ("sum(10, 15)",)  # MBPP 126: the reference defines sum, so the assert calls the candidate's
     assert s[1].calls == ("f(1)",)  # the expected side keeps the real set
+    assert split_asserts(["assert sum(f(1)) == 6"], [], {"f"})[0].calls == ("f(1)",)  # no reference sum: builtin
 
 
 def test_decoder_is_strict():
     good = [[0, "ok", ["d", [["t", [["i", "1"], ["z", ["a", None]]]]]]], [1, "ok", ["c", "0x1p+0", "-inf"]],
             [2, "err", "ValueError: no"]]  # fmt: skip
     data = "\n".join(json.dumps(x) for x in good).encode()
-    values, errors, problem = decode_values(data, 3, 1000)
+    values, errors, problem = decode_values(data, {0, 1, 2}, 1000)
     assert values == {0: {1: frozenset({"a", None})}, 1: complex(1, -math.inf)} and errors == {2: "ValueError: no"}
     assert not problem
     for bad_line, expect in (('[0, "ok", ["pickle", "x"]]', "unsupported"), ('[0, "ok", ["d", [["l", []]]]]',
-                             "unsupported"), ('[0, "ok", {"a": 1}]', "unsupported")):  # fmt: skip
-        v, e, p = decode_values(bad_line.encode(), 1, 1000)
+                             "unsupported"), ('[0, "ok", {"a": 1}]', "unsupported"),
+                             ('[0, "ok", ["f", "0x1p+99999"]]', "OverflowError"),
+                             ('[0, "ok", ["i", "%s"]]' % ("f" * 5000), "longer than"),
+                             ('[0, "ok", ["s", [["l", []]]]]', "unhashable")):  # fmt: skip
+        v, e, p = decode_values(bad_line.encode(), {0}, 10**6)
         assert not v and expect in e.get(0, p), (bad_line, e, p)
-    deep = "[0,\"ok\"," + '["l",[' * (MAX_DEPTH + 5) + "]]" * (MAX_DEPTH + 5) + "]"
-    assert not decode_values(deep.encode(), 1, 10**6)[0]
-    assert decode_values(b'[0,"ok",null]\n[0,"ok",null]', 1, 1000)[2] == "value 0 sent twice"
-    assert decode_values(b'[5,"ok",null]', 1, 1000)[2]
-    assert decode_values(b"x" * 2000, 1, 1000)[2] == "the values exceed 1000 bytes"
+    deep = "[0,\"ok\"," + '["l",[' * (BUDGETS["depth"] + 5) + "]]" * (BUDGETS["depth"] + 5) + "]"
+    assert "deeper" in decode_values(deep.encode(), {0}, 10**6)[1][0]
+    many = json.dumps([0, "ok", ["l", [None] * 50]]).encode()
+    assert "more than 40 elements" in decode_values(many, {0}, 10**6, {"elements": 40})[1][0]
+    assert decode_values(b'[0,"ok",null]\n[0,"ok",null]', {0}, 1000)[2] == "value 0 sent twice"
+    assert decode_values(b'[5,"ok",null]', {0}, 1000)[2]
+    assert decode_values(b'[0,"ok",NaN]', {0}, 1000)[2] == "the values file is not JSON lines"
+    assert decode_values(b"x" * 2000, {0}, 1000)[2] == "the values exceed 1000 bytes"
 
 
 def test_serialiser_round_trip_through_a_real_sample():

@@ -16,6 +16,7 @@ calls it.
 from __future__ import annotations
 
 import ast
+import builtins
 import os
 import secrets
 import shutil
@@ -30,9 +31,10 @@ from pathlib import Path
 import pytest
 from conftest import SANDBOX_BACKENDS, sandbox_limits_for
 
-from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python
-from tdlm.evaluation.scoring import score_code
+from tdlm.evaluation.sandbox import SandboxLimits, isolation_support, run_python, split_asserts
+from tdlm.evaluation.scoring import score, score_code
 from tdlm.tasks.base import default_data_dir
+from tdlm.tasks.mbpp import PLACEHOLDER, reference_names
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = default_data_dir()
@@ -348,6 +350,54 @@ def f():
         got.append("mount")
     return got
 """, tests=["assert len(f()) > 0"]),
+    # -- issue 28, item 3: nothing reachable past the namespaces
+    dict(cat="escape", name="nested_user_namespace", code="""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+SYS_CLONE, SYS_CLONE3 = {"x86_64": (56, 435), "aarch64": (220, 435)}[os.uname().machine]
+def f():
+    got = []
+    for flag in (0x10000000, 0x40000000, 0x20000):  # CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWNS (+ SIGCHLD)
+        pid = libc.syscall(SYS_CLONE, flag | 17, 0, 0, 0, 0)
+        if pid == 0:
+            os._exit(0)
+        if pid > 0:
+            os.waitpid(pid, 0)
+            got.append(hex(flag))
+    args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0)  # struct clone_args, CLONE_NEWUSER
+    pid = libc.syscall(SYS_CLONE3, args, 88)
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+        got.append("clone3")
+    return got
+""", tests=["assert f() != []"]),
+    dict(cat="escape", name="vsock_netlink_packet_sockets", code="""
+import socket
+def f():
+    opened = []
+    # AF_VSOCK (the host's port space), AF_NETLINK netfilter / route, AF_PACKET; the 64-bit form of AF_VSOCK
+    for fam, typ, proto in ((40, 1, 0), (16, 3, 12), (16, 3, 0), (17, 3, 0), (0x100000028, 1, 0)):
+        try:
+            socket.socket(fam, typ, proto).close()
+            opened.append(fam)
+        except (OSError, OverflowError):
+            pass
+    return opened
+""", tests=["assert f() != []"]),
+    dict(cat="limits", name="tmp_inode_flood", code="""
+def f():
+    n = 0
+    try:
+        for i in range(6000):  # in the cwd: the sample's /tmp (weak mode: a host folder removed after the run)
+            open("f%d" % i, "w").close()
+            n += 1
+    except OSError:
+        pass
+    return n
+""", tests=["assert f() > 5000"], limits=dict(tmpfs_inodes=1024)),
     dict(cat="escape", name="write_outside_tmp", code="""
 def f():
     n = 0
@@ -527,6 +577,21 @@ def return_none(code: str) -> str:
     return ast.unparse(ast.fix_missing_locations(_ReturnNone().visit(ast.parse(code))))
 
 
+def test_every_shipped_mbpp_assert_splits_into_calls_of_the_reference(mbpp):
+    # issue 28: load() refuses a shape the grammar cannot split; here every call is rooted at a reference name and
+    # nothing of the candidate's is left in the trusted check
+    n = 0
+    for p in mbpp.problems:
+        names = reference_names(p.answer)
+        for split in split_asserts(p.tests, p.test_imports, names):
+            n += 1
+            assert split.ops and all(op[0] in names for op in split.ops), (p.id, split.source)
+            used = {x.id for x in ast.walk(ast.parse(split.check)) if isinstance(x, ast.Name)}
+            assert not used & names, (p.id, split.check)
+            assert all(u in dir(builtins) or u == "math" or u.startswith(PLACEHOLDER) for u in used), (p.id, used)
+    assert n == 776
+
+
 @pytest.mark.slow
 def test_all_canonical_mbpp_solutions_pass(mbpp):
     # mbpp/123 (amicable numbers to 9999) needs ~4.5 CPU seconds; the wall clock is relaxed for a loaded machine,
@@ -534,7 +599,7 @@ def test_all_canonical_mbpp_solutions_pass(mbpp):
     lim = SandboxLimits(timeout_s=60.0, cpu_s=11)
     assert len(mbpp) == 257
     with ThreadPoolExecutor(2) as pool:
-        scores = list(pool.map(lambda p: score_code(p.answer, p.tests, p.test_imports, lim), mbpp.problems))
+        scores = list(pool.map(lambda p: score(p, p.answer, limits=lim), mbpp.problems))
     failed = [(p.id, s.status, s.detail) for p, s in zip(mbpp.problems, scores, strict=True) if not s.correct]
     assert not failed, f"{len(failed)} canonical solutions fail in the sandbox: {failed[:5]}"
     assert {s.sandbox.backend for s in scores} == {isolation_support(lim)["backend"]}
@@ -544,7 +609,7 @@ def test_canonical_solutions_pass_on_the_in_house_backend_too(mbpp):
     lim = SandboxLimits(timeout_s=60.0, cpu_s=11, backend="inhouse")
     sample = [p for p in mbpp.problems if p.id in ("mbpp/88", "mbpp/126")] + list(mbpp.problems[::32])
     with ThreadPoolExecutor(2) as pool:
-        scores = list(pool.map(lambda p: score_code(p.answer, p.tests, p.test_imports, lim), sample))
+        scores = list(pool.map(lambda p: score(p, p.answer, limits=lim), sample))
     assert all(s.correct and s.sandbox.backend == "inhouse" for s in scores), [
         (p.id, s.detail) for p, s in zip(sample, scores, strict=True) if not s.correct]
 
@@ -553,7 +618,8 @@ def test_mutated_mbpp_solutions_fail(mbpp):
     sample = mbpp.problems[::8]  # 33 problems across the split
     lim = SandboxLimits(timeout_s=60.0, cpu_s=11)
     with ThreadPoolExecutor(2) as pool:
-        scores = list(pool.map(lambda p: score_code(return_none(p.answer), p.tests, p.test_imports, lim), sample))
+        scores = list(pool.map(lambda p: score_code(return_none(p.answer), p.tests, p.test_imports, lim,
+                                                                     reference=p.answer), sample))
     passed = [p.id for p, s in zip(sample, scores, strict=True) if s.correct]
     assert not passed, f"solutions returning None pass: {passed}"
 

@@ -224,8 +224,9 @@ def test_mbpp_test_imports_are_prepended(mbpp):
     # Through the scorer itself: the asserts use a module only test_imports provides.
     code, tests = "def area(r):\n    return math.pi * r * r", ["assert math.isclose(area(1.0), math.pi)"]
     assert score_code(code, tests, ["import math"]).correct
-    without = score_code(code, tests)
-    assert not without.correct and "NameError" in without.detail, without
+    # without it, `math` would be the sample's own name and the comparison its own: refused before anything runs
+    with pytest.raises(TDLMError, match="'math', which is not a builtin or test_imports name"):
+        score_code(code, tests)
 
 
 def test_unknown_task_in_score(gsm):

@@ -50,6 +50,7 @@ from typing import Any
 from tdlm.errors import TDLMError
 from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, require_sandbox, run_python
 from tdlm.tasks.base import Problem
+from tdlm.tasks.mbpp import reference_names
 
 MATH_TASKS = ("gsm8k", "math500", "arith", "multi")
 CODE_TASKS = ("mbpp",)
@@ -178,18 +179,31 @@ def build_setup(code: str, test_imports: Sequence[str] = ()) -> str:
 
 
 def score_code(
-    completion: str, tests: Sequence[str], test_imports: Sequence[str] = (), limits: SandboxLimits | None = None
+    completion: str, tests: Sequence[str], test_imports: Sequence[str] = (), limits: SandboxLimits | None = None,
+    reference: str | None = None,
 ) -> Score:
     """Extract the code from ``completion``, run it in the sandbox and judge each assert outside it. Thread-safe.
 
-    Correct only if every assert held (evaluated in this process with the values the sample sent back) and the
-    program exited 0. ``detail``: the sandbox's short escaped reason (first failed assert or last stderr line).
+    ``reference``: the task's reference solution (MBPP ``Problem.answer``); the names it defines are the
+    candidate's (:func:`tdlm.tasks.mbpp.reference_names`), so a builtin it redefines (MBPP 126's ``sum``) is the
+    candidate's too; without it every name that is not a builtin or imported is. Correct only if every assert held
+    (evaluated by a trusted child process with the values the sample sent back) and the program exited 0.
+    ``detail``: the sandbox's short escaped reason (first failed assert or last stderr line). A sample never makes
+    this raise: whatever it sends back fails it with one line in ``detail``; a test shape the sandbox cannot split
+    raises TDLMError (a task error, refused when MBPP loads).
     """
     if not tests:
         raise TDLMError("score_code: tests is empty, expected at least one assert")
     code = extract_code(completion)
-    result = run_python(build_setup(code, test_imports), limits, checks=list(tests), test_imports=list(test_imports))
+    names = _reference_names(reference) if reference else None
+    result = run_python(build_setup(code, test_imports), limits, checks=list(tests), test_imports=list(test_imports),
+                        names=names)  # fmt: skip
     return Score(result.passed, result.status, code, result.seconds, result.detail, result)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reference_names(reference: str) -> frozenset[str]:
+    return reference_names(reference)
 
 
 def score(problem: Problem, completion: str, *, limits: SandboxLimits | None = None) -> Score:
@@ -197,7 +211,7 @@ def score(problem: Problem, completion: str, *, limits: SandboxLimits | None = N
     if problem.task in MATH_TASKS:
         return score_math(problem.task, completion, problem.answer)
     if problem.task in CODE_TASKS:
-        return score_code(completion, problem.tests, problem.test_imports, limits)
+        return score_code(completion, problem.tests, problem.test_imports, limits, reference=problem.answer)
     raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")
 
 
@@ -330,7 +344,7 @@ class Scorer:
             # fail closed: raises TDLMError (one line) if the sandbox lacks a guarantee and weak is not allowed;
             # probed once per limits, so this costs nothing after the first code sample
             require_sandbox(self.sandbox, self.allow_weak_sandbox)
-            return score_code(completion, problem.tests, problem.test_imports, self.sandbox)
+            return score_code(completion, problem.tests, problem.test_imports, self.sandbox, reference=problem.answer)
         if problem.task not in MATH_TASKS:
             raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")
         t0 = time.perf_counter()

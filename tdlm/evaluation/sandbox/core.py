@@ -24,7 +24,7 @@ from tdlm.errors import TDLMError
 
 from . import host
 from .launcher import LAUNCHER
-from .verdict import DRIVER, all_calls, decode_values, excerpt, judge, split_asserts
+from .verdict import DRIVER, excerpt, judge, sample_ops, split_asserts
 
 Status = Literal["passed", "failed", "timeout", "error"]
 Backend = Literal["auto", "bwrap", "inhouse"]
@@ -112,6 +112,7 @@ class SandboxResult:
     checks_completed: bool | None = None
     detail: str = ""
     notes: tuple[str, ...] = ()  # what the kernel / host refused this run (unshare, mount, cgroup ...)
+    verdict_cpu_s: float | None = None  # CPU seconds of the trusted child that decoded the values and judged
 
 
 # ------------------------------------------------------------------------------------------ interpreter
@@ -296,7 +297,8 @@ def _plan(limits: SandboxLimits) -> _Plan:
     return best
 
 
-def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv: list[str]) -> list[str]:
+def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv: list[str],
+                tmpfs: tuple[str, str] | None) -> list[str]:  # fmt: skip
     assert plan.interp is not None
     a = [_bwrap_path() or "bwrap", "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net",
          "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session",
@@ -306,9 +308,12 @@ def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv
         a += ["--setenv", k, v]
     for op in plan.interp.ops:
         a += ["--symlink", op[1], op[2]] if op[0] == "symlink" else ["--ro-bind", op[1], op[1]]
-    a += ["--dev", "/dev", "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-          "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
-          "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]  # fmt: skip
+    if tmpfs is not None:  # the launcher's size- and inode-limited tmpfs mounts
+        a += ["--dev", "/dev", "--bind", tmpfs[0], "/tmp", "--bind", tmpfs[1], "/dev/shm"]
+    else:
+        a += ["--dev", "/dev", "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+              "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]  # fmt: skip
+    a += ["--proc", "/proc", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
     if seccomp_fd is not None:
         a += ["--seccomp", str(seccomp_fd)]
     return a + ["--", *argv]
@@ -316,14 +321,17 @@ def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv
 
 # ------------------------------------------------------------------------------------------ run
 def run_python(code: str, limits: SandboxLimits | None = None, *, checks: Sequence[str] | None = None,
-               test_imports: Sequence[str] = ()) -> SandboxResult:  # fmt: skip
+               test_imports: Sequence[str] = (),
+               names: frozenset[str] | set[str] | None = None) -> SandboxResult:  # fmt: skip
     """Run ``code`` as ``main.py`` in a fresh sandboxed process and report how it ended. Thread-safe.
 
     Without ``checks`` the run passes iff the process exits 0. With ``checks`` (MBPP asserts, each one ``assert``
-    statement; ``test_imports`` are the import lines they need), the trusted side splits each assert
-    (:func:`tdlm.evaluation.sandbox.verdict.split_asserts`), the sample evaluates only the calls into its code and
-    sends the values back, and the trusted side evaluates the asserts: the run passes iff every assert holds and
-    the process exited 0.
+    statement; ``test_imports`` are the import lines they need; ``names`` the names the candidate defines, from the
+    task's reference solution, see :func:`tdlm.tasks.mbpp.reference_names`), the evaluator splits each assert
+    (:func:`tdlm.evaluation.sandbox.verdict.split_asserts`; a shape it cannot split raises TDLMError before
+    anything runs), the sample evaluates only the sub-expressions rooted at the candidate's names and sends the
+    values back, and a trusted child process decodes them and evaluates the asserts under budgets
+    (:mod:`.trusted`): the run passes iff every assert holds and the process exited 0.
     """
     limits = limits or SandboxLimits()
     splits = None
@@ -331,13 +339,13 @@ def run_python(code: str, limits: SandboxLimits | None = None, *, checks: Sequen
         checks = list(checks)
         if not checks or not all(isinstance(c, str) for c in checks):
             raise TDLMError(f"run_python: checks must be a non-empty list of strings, got {checks!r}")
-        splits = split_asserts(checks, list(test_imports), code)
+        splits = split_asserts(checks, list(test_imports), names)
     return _execute(code, limits, splits, tuple(test_imports), _plan(limits))
 
 
 def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports: tuple[str, ...],
              plan: _Plan) -> SandboxResult:  # fmt: skip
-    calls = all_calls(splits) if splits is not None else None
+    calls = sample_ops(splits) if splits is not None else None
     cg = None
     notes: list[str] = []
     if plan.cgroups:
@@ -380,7 +388,10 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
         }  # fmt: skip
         cfg["argv"] = argv
         if plan.backend == "bwrap":
-            cfg["bwrap_argv"] = _bwrap_argv(plan, limits, seccomp_fd, argv)
+            mounts = (os.path.join(stage, "tmp"), os.path.join(stage, "shm"))
+            cfg["bwrap_tmpfs"] = list(mounts)
+            cfg["bwrap_argv"] = _bwrap_argv(plan, limits, seccomp_fd, argv, mounts)
+            cfg["bwrap_argv_plain"] = _bwrap_argv(plan, limits, seccomp_fd, argv, None)
         with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
             try:
                 proc = subprocess.Popen(
@@ -484,7 +495,11 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
         "privileges": bool(report.get("dropped")) or os.geteuid() != 0,
     }
     mechanism = cg.kind if cg is not None else ("rlimit-nofork" if plan.seccomp else "rlimit")
-    flags["limits"] = mechanism != "rlimit"
+    # the files of the sample's tmpfs are kernel memory: bounded by its inode limit (the in-house root, or the
+    # bwrap launcher's own tmpfs mounts), else by a cgroup that charges kernel memory; fail closed otherwise
+    own_tmpfs = bool(report.get("inodes")) if plan.backend == "bwrap" else flags["filesystem"]
+    inodes = own_tmpfs or (cg is not None and cg.kmem)
+    flags["limits"] = mechanism != "rlimit" and inodes
     backend = plan.backend if (bw or any(report.get(k) for k in ("fs", "net", "pid", "ipc"))) else "none"
     weakened = tuple(k for k in GUARANTEES if not flags[k])
     run_notes = [*notes, *(str(v) for v in (report.get("notes") or {}).values())]
@@ -494,14 +509,10 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
     completed = None
     detail = ""
     ok = False
+    verdict_cpu = None
     if splits is not None:
-        n = sum(len(s.calls) for s in splits)
-        values, errors, problem = decode_values(values_data, n, limits.value_bytes)
-        completed = len(values) + len(errors) == n and not problem
-        if problem:
-            errors = {i: problem for i in range(n)}
-        ok, verdict_list, detail = judge(splits, values, errors, test_imports)
-        verdicts = tuple(verdict_list)
+        v = judge(splits, values_data, test_imports, limits.value_bytes)  # a trusted child; never raises
+        ok, verdicts, detail, completed, verdict_cpu = v.ok, v.verdicts, v.detail, v.completed, v.cpu_s
     status: Status
     if exec_failed:
         status, stderr = "error", f"sandbox: {exec_failed}\n{stderr}"
@@ -527,7 +538,7 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
         seconds=seconds, backend=backend, mechanism=mechanism, network_isolated=flags["network"],
         pid_isolated=flags["pid"], ipc_isolated=flags["ipc"], filesystem_isolated=flags["filesystem"],
         seccomp=flags["seccomp"], privileges_dropped=bool(report.get("dropped")), weakened=weakened,
-        checks=verdicts, checks_completed=completed, detail=detail, notes=tuple(run_notes),
+        checks=verdicts, checks_completed=completed, detail=detail, notes=tuple(run_notes), verdict_cpu_s=verdict_cpu,
     )  # fmt: skip
 
 

@@ -6,8 +6,10 @@ what it achieved as ``repr`` lines of dicts (read with ``ast.literal_eval``) on 
 (EOF without an ``exec_failed`` line means the final ``exec`` succeeded). ``ctypes`` is imported only by the
 in-house backend. Order: join the per-sample cgroups -> rlimits -> then one of
 
-- ``bwrap`` backend: as root drop to ``nobody`` first (bubblewrap then runs unprivileged, in a user namespace of
-  its own, and the sample is ``nobody`` on the host too), then ``exec`` the prepared ``bwrap`` command line;
+- ``bwrap`` backend: mount the sample's ``/tmp`` and ``/dev/shm`` as size- and inode-limited tmpfs in a private
+  mount namespace (a user namespace of its own first when not root; bubblewrap's ``--tmpfs`` has no inode
+  limit), as root drop to ``nobody`` (bubblewrap then runs unprivileged, in a user namespace of its own, and the
+  sample is ``nobody`` on the host too), then ``exec`` the prepared ``bwrap`` command line, which binds them;
 - ``inhouse`` backend (the fallback with the same guarantees): a user namespace when not root; new network, IPC,
   UTS and mount namespaces; a new root on a tmpfs holding only the interpreter's files (read-only bind mounts),
   ``/dev/{null,zero,full,random,urandom}``, size-capped tmpfs ``/tmp`` and ``/dev/shm`` and a ``/proc`` mounted by
@@ -86,18 +88,51 @@ def drop_uid():
     os.setgid(cfg["drop_to"])
     os.setuid(cfg["drop_to"])
 
+def bwrap_tmpfs():
+    # bubblewrap's --tmpfs takes a size but no inode limit, and without a cgroup nothing else bounds the kernel
+    # memory of millions of empty files: mount the sample's /tmp and /dev/shm here (a private mount namespace, in a
+    # user namespace of our own when not root), size- and inode-limited, and let bwrap bind them.
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    def err(what):
+        e = ctypes.get_errno()
+        return f"{what}: {os.strerror(e)} (errno {e})"
+    if os.geteuid() != 0:
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+            return err("unshare(CLONE_NEWUSER|CLONE_NEWNS) for the inode-limited tmpfs")
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open("/proc/self/" + name, "w") as f:
+                f.write(text)
+    elif libc.unshare(CLONE_NEWNS) != 0:
+        return err("unshare(CLONE_NEWNS) for the inode-limited tmpfs")
+    if libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return err("mount --make-rprivate /")
+    opts = f"size={cfg['tmpfs_bytes']},nr_inodes={cfg['tmpfs_inodes']},mode=1777".encode()
+    for d in cfg["bwrap_tmpfs"]:
+        os.makedirs(d, exist_ok=True)
+        if libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+            return err("mount tmpfs on " + d)
+    return ""
+
 if cfg["backend"] == "bwrap":
+    try:
+        why = bwrap_tmpfs()
+    except OSError as e:
+        why = f"inode-limited tmpfs: {e}"
     if drop:
         try:
             drop_uid()
         except OSError as e:
             die(f"drop to {cfg['drop_to']}: {e}")
-    say({"backend": "bwrap", "dropped": drop})
+    say({"backend": "bwrap", "dropped": drop, "inodes": not why, "notes": {"inodes": why} if why else {}})
     for n in keep:
         os.set_inheritable(n, True)
     os.set_inheritable(fd, False)
+    argv = cfg["bwrap_argv"] if not why else cfg["bwrap_argv_plain"]
     try:
-        os.execv(cfg["bwrap_argv"][0], cfg["bwrap_argv"])
+        os.execv(argv[0], argv)
     except OSError as e:
         die(f"exec bwrap: {e}")
 

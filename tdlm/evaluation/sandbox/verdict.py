@@ -1,262 +1,225 @@
-"""The verdict outside the sample (issue 22, item 1): asserts are split in the trusted process, the sample only
-evaluates the calls into its own code, and the values come back through a strict, size-capped serialiser.
+"""The verdict outside the sample (issues 22 and 28): the evaluator splits each assert, the sample evaluates only
+the sub-expressions rooted at a name the candidate defines, and a trusted child process decodes the values that
+come back and evaluates the rest, under budgets.
 
-Trusted side (this module, in the evaluator's process):
-
-- :func:`split_asserts` parses each MBPP assert with :mod:`ast` and replaces every maximal sub-expression that
-  refers to a name the candidate defines (anything not a builtin and not bound by ``test_imports``) with a
-  placeholder. ``assert set(similar_elements((3, 4), (4, 5))) == set((4,))`` becomes the call
-  ``similar_elements((3, 4), (4, 5))`` for the sample and ``set(_v0) == set((4,))`` for the trusted side;
-- :func:`decode_values` reads what the sample wrote (JSON lines, at most ``cap`` bytes) and rebuilds the values from
-  tagged builtins only: int, float, complex, str, bytes, bool, None, list, tuple, dict, set, frozenset. Anything
-  else (a tag it does not know, a list as a dict key, depth > ``MAX_DEPTH``, a duplicate or missing index) is a
-  failure. Nothing is ever unpickled or ``eval``-ed;
-- :func:`judge` evaluates each remaining assert expression with those values, the real builtins and the modules of
-  ``test_imports``, in a namespace the sample never touched. So patched builtins, frames, tracing, ``gc`` or an
-  always-true ``__eq__`` inside the sample cannot change a verdict: the sample can only hand back plain values,
-  which is what a correct solution computes anyway.
+- :func:`split_asserts` (evaluator, before the sample runs) applies the assert grammar of
+  :func:`tdlm.tasks.mbpp.plan_assert`: the candidate's names come from the task's reference solution (bound at
+  any depth; without one, every name that is not a builtin or imported). Each maximal ``name(.attr)*`` or
+  ``name(.attr)*(args)`` rooted at such a name goes to the sample; its arguments are computed here, from the
+  dataset's text, and sent as values (marshal, builtins only), or are the result of another such call, kept in
+  the sample. Everything else - the comparison, the expected side, lambdas, methods of the returned values,
+  subscripts, ``test_imports`` modules - is the trusted check. ``assert set(similar((3, 4), (4, 5))) ==
+  set((4,))`` sends ``similar`` with the arguments ``(3, 4)``, ``(4, 5)`` and keeps ``set(_tdlm_v0) ==
+  set((4,))``; ``f(x).startswith("PY")`` sends ``f(x)`` only. A shape the grammar cannot split (a call whose
+  arguments use names the assert binds, ``is`` between the candidate's values ...) raises :class:`TDLMError`
+  before anything runs; MBPP refuses such a task when it loads.
+- :func:`judge` runs :mod:`.trusted` as a child process (``python -I -S -B``, RLIMIT_CPU / RLIMIT_AS, a wall
+  clock) on the sample's bytes: strict decoding of tagged builtins with depth / element / digit budgets, then
+  each check with the real builtins and the ``test_imports`` modules. Any failure there fails the sample with
+  one line; nothing raises into the caller, and the evaluator's own process never parses the sample's values.
 
 Sample side: :data:`DRIVER` runs as ``python -I -S -B -c DRIVER`` inside the sandbox. It reads ``main.py`` and the
-call expressions from an inherited file, closes it, runs the program as module ``__main__``, evaluates each call in
-the program's globals and writes ``[index, "ok", value]`` / ``[index, "err", "Type: message"]`` lines to the
-values file, then ends with ``os._exit(0)``. Its serialiser sends the builtin types above; an instance of a
-subclass of one of them (a ``Counter``, an ``OrderedDict``, a ``namedtuple``) goes as the base type's value, so
-its equality with the expected builtin value is what it was, and no overridden ``__eq__`` travels; anything else
-(a generator, a ``map``, a custom class) is a failure. The decoder is the strict part: it trusts nothing the
-sample's encoder claims.
+calls from an inherited file, runs the program as module ``__main__``, then for each call looks its root up in
+the program's globals only (a missing name is a NameError: a builtin never answers for the candidate), reads
+the attributes, calls with the evaluator's argument values, and writes ``[index, "ok", value]`` / ``[index,
+"err", "Type: message"]`` lines for the values the evaluator asked for; then ``os._exit(0)``. Its serialiser
+sends the builtin types (numbers, str, bytes, bool, None, list/tuple/dict/set/frozenset); an instance of a
+subclass of one of them (a ``Counter``, a ``namedtuple``) goes as the base type's value, so no overridden
+``__eq__`` travels; anything else fails. The decoder trusts nothing the encoder claims.
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
-import json
-import warnings
+import functools
+import marshal
+import os
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from tdlm.errors import TDLMError
+from tdlm.tasks.mbpp import AssertPlan, imported_names, plan_assert
 
-MAX_DEPTH = 64  # nesting of returned values (lists of lists ...)
-PLACEHOLDER = "_tdlm_v"
-_BUILTINS = frozenset(dir(builtins))
+from . import trusted
+from .trusted import BUDGETS, import_env
+
+TRUSTED_TIMEOUT_S = 20.0  # wall clock of one trusted child (CPU-bounded by RLIMIT_CPU; this is for a stalled one)
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
 
 
 @dataclass(frozen=True)
 class Split:
-    """One assert, split: ``calls`` (source of the sub-expressions the sample evaluates, in order) and ``check``
-    (the assert's test expression with ``_tdlm_v<i>`` in their place, compiled by the trusted side)."""
+    """One assert, split: ``plan`` (the grammar's calls and check), ``ops`` (the calls as the sample gets them, with
+    argument values; indices local to this assert) and ``check`` (source, ``_tdlm_v<i>`` for call ``i``)."""
 
     source: str
-    calls: tuple[str, ...]
-    check: Any  # a code object (eval mode)
+    plan: AssertPlan
+    ops: tuple[tuple, ...]
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The source of each sub-expression the sample evaluates (for reading a split)."""
+        return tuple(_call_source(c) for c in self.plan.calls)
+
+    @property
+    def check(self) -> str:
+        return self.plan.check
 
 
-def _import_names(test_imports: tuple[str, ...] | list[str]) -> tuple[dict[str, Any], set[str]]:
-    """Run ``test_imports`` (``import x`` / ``from x import y`` statements only) in a fresh trusted namespace."""
-    env: dict[str, Any] = {"__builtins__": builtins}
-    for line in test_imports:
-        try:
-            tree = ast.parse(line)
-        except SyntaxError as e:
-            raise TDLMError(f"test_imports: {line!r} is not Python ({e.msg}), expected an import statement") from e
-        if not all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body):
-            raise TDLMError(f"test_imports: {line!r} is not an import statement, expected `import x` / `from ...`")
-        exec(compile(tree, "<test_imports>", "exec"), env)  # noqa: S102 - dataset import lines, checked above
-    return env, set(env) - {"__builtins__"}
+def _call_source(c: Any) -> str:
+    text = ".".join((c.root, *c.attrs))
+    if c.args is None:
+        return text
+    parts = [f"<{p}>" if k == "ref" else ("*" if k == "star" else "") + str(p) for k, p in c.args]
+    parts += [f"{n}=" + (f"<{p}>" if k == "ref" else str(p)) if n else f"**{p}" for n, k, p in c.kwargs]
+    return f"{text}({', '.join(parts)})"
 
 
-class _Extract(ast.NodeTransformer):
-    """Replace each maximal sub-expression that mentions an untrusted name by a placeholder name."""
-
-    def __init__(self, trusted: set[str]) -> None:
-        self.trusted = trusted
-        self.calls: list[str] = []
-
-    def _untrusted(self, node: ast.AST) -> bool:
-        return any(isinstance(n, ast.Name) and n.id not in self.trusted for n in ast.walk(node))
-
-    def _replace(self, node: ast.expr) -> ast.expr:
-        self.calls.append(ast.unparse(node))
-        return ast.copy_location(ast.Name(id=f"{PLACEHOLDER}{len(self.calls) - 1}", ctx=ast.Load()), node)
-
-    def visit_Call(self, node: ast.Call) -> ast.expr:
-        if self._untrusted(node.func):  # a call into the candidate's code: the sample evaluates it, args and all
-            return self._replace(node)
-        return self.generic_visit(node)
-
-    def visit_Name(self, node: ast.Name) -> ast.expr:
-        return self._replace(node) if node.id not in self.trusted else node
-
-    def visit_Lambda(self, node: ast.Lambda) -> ast.expr:
-        if self._untrusted(node):
-            raise TDLMError(f"test: a lambda that uses the candidate's names is not supported: {ast.unparse(node)}")
-        return node
+def _plain(v: Any, depth: int = 0) -> bool:
+    if depth > BUDGETS["depth"] or type(v) not in _PLAIN:
+        return False
+    if type(v) is dict:
+        return all(_plain(k, depth + 1) and _plain(x, depth + 1) for k, x in v.items())
+    if type(v) in (list, tuple, set, frozenset):
+        return all(_plain(x, depth + 1) for x in v)
+    return True
 
 
-def defined_names(code: str) -> set[str]:
-    """Names the candidate's program binds at module level (functions, classes, assignments, imports), from its
-    ``ast`` parsed here (never run here); empty if it does not parse (the sample then fails on its own)."""
+def _argument(source: str, env: dict[str, Any], where: str) -> Any:
     try:
-        with warnings.catch_warnings():  # invalid escapes etc. in the candidate's code are its own business
-            warnings.simplefilter("ignore")
-            tree = ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return set()
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-    return names
+        value = eval(compile(source, "<argument>", "eval", dont_inherit=True), dict(env))  # noqa: S307 - dataset
+    except Exception as e:
+        raise TDLMError(f"{where}: the argument {source[:80]!r} does not evaluate ({type(e).__name__}: {e})") from e
+    if not _plain(value):
+        raise TDLMError(f"{where}: the argument {source[:80]!r} is a {type(value).__name__}, expected builtin values "
+                        "(numbers, str, bytes, containers of them) that can be sent to the sample")  # fmt: skip
+    return value
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_cached(tests: tuple[str, ...], test_imports: tuple[str, ...], names: frozenset[str] | None) -> tuple:
+    imported = imported_names(test_imports)
+    env = import_env(test_imports)
+    out = []
+    for i, test in enumerate(tests):
+        where = f"test {i + 1}"
+        plan = plan_assert(test, imported, names, where=where)
+        ops = []
+        for c in plan.calls:
+            call = None
+            if c.args is not None:
+                args = [("r", p) if k == "ref" else ("s" if k == "star" else "v", _argument(p, env, where))
+                        for k, p in c.args]  # fmt: skip
+                kwargs = [(n, "r", p) if k == "ref" else (n, "d" if k == "dstar" else "v", _argument(p, env, where))
+                          for n, k, p in c.kwargs]  # fmt: skip
+                call = (args, kwargs)
+            ops.append((c.root, list(c.attrs), call, c.sent))
+        out.append(Split(test, plan, tuple(ops)))
+    return tuple(out)
 
 
 def split_asserts(tests: list[str] | tuple[str, ...], test_imports: list[str] | tuple[str, ...] = (),
-                  code: str = "") -> list[Split]:  # fmt: skip
-    """Split each test (one ``assert`` statement) into the sample's calls and the trusted check; see the module
-    docstring. Raises :class:`TDLMError` for a test that is not a single assert.
+                  names: frozenset[str] | set[str] | None = None) -> list[Split]:  # fmt: skip
+    """Split each test (one ``assert`` statement); see the module docstring. ``names``: the names the candidate
+    defines (:func:`tdlm.tasks.mbpp.reference_names` of the reference solution); None: every name in the asserts
+    that is not a builtin or imported. Raises :class:`TDLMError` (one line) for a test that is not a single assert,
+    a shape the grammar cannot split, or an argument that is not a builtin value. Cached per arguments."""
+    return list(_split_cached(tuple(tests), tuple(test_imports), frozenset(names) if names is not None else None))
 
-    Builtins are the trusted side's, except in an assert that names nothing else of the candidate's: there a
-    builtin the candidate redefines (MBPP 126 defines ``sum`` and asserts ``sum(10, 15) == 6``) is the
-    candidate's. An assert that does name the candidate's function keeps the real builtins, so a sample that
-    rebinds ``set`` cannot make the expected side of ``set(f(x)) == set((4, 5))`` its own.
-    """
-    _, imported = _import_names(tuple(test_imports))
-    trusted = set(_BUILTINS) | imported
-    shadowed = defined_names(code) & _BUILTINS if code else set()
+
+def sample_ops(splits: list[Split]) -> list[tuple]:
+    """The sample's work list: every assert's calls, flattened, with ``ref`` indices made global."""
+    ops: list[tuple] = []
+    for s in splits:
+        base = len(ops)
+        for root, attrs, call, sent in s.ops:
+            if call is not None:
+                args = [(k, x + base if k == "r" else x) for k, x in call[0]]
+                kwargs = [(n, k, x + base if k == "r" else x) for n, k, x in call[1]]
+                call = (args, kwargs)
+            ops.append((root, attrs, call, sent))
+    return ops
+
+
+def _checks(splits: list[Split]) -> list[tuple[str, list[tuple[int, int]]]]:
     out = []
-    for i, test in enumerate(tests):
-        try:
-            tree = ast.parse(test)
-        except SyntaxError as e:
-            raise TDLMError(f"test {i + 1}: not Python ({e.msg}): {test[:120]!r}") from e
-        if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
-            raise TDLMError(f"test {i + 1}: expected one `assert` statement, got {test[:120]!r}")
-        names = {n.id for n in ast.walk(tree.body[0].test) if isinstance(n, ast.Name)}
-        here = trusted if names - trusted else trusted - shadowed
-        ex = _Extract(here)
-        expr = ex.visit(tree.body[0].test)
-        compiled = compile(ast.fix_missing_locations(ast.Expression(expr)), f"<test {i + 1}>", "eval",
-                           dont_inherit=True)  # fmt: skip
-        out.append(Split(test, tuple(ex.calls), compiled))
+    base = 0
+    for s in splits:
+        refs = [(k, base + k) for k, op in enumerate(s.ops) if op[3]]
+        out.append((s.check, refs))
+        base += len(s.ops)
     return out
 
 
-# ---------------------------------------------------------------------------------------- decoding
+@dataclass(frozen=True)
+class Verdict:
+    """What the trusted child decided: per-assert ``verdicts``, ``detail`` (first failure), whether every value
+    came back (``completed``), and the child's CPU seconds (``cpu_s``, user + system)."""
 
-class BadValue(ValueError):
-    """What the sample sent back is not a value of the allowed builtin types."""
+    ok: bool
+    verdicts: tuple[bool, ...]
+    detail: str
+    completed: bool
+    cpu_s: float
 
 
-def _decode(x: Any, depth: int) -> Any:
-    if depth > MAX_DEPTH:
-        raise BadValue(f"nested deeper than {MAX_DEPTH}")
-    if x is None or isinstance(x, (bool, str)):  # JSON null / true / false / string map to themselves
-        return x
-    if type(x) is not list or not x or not isinstance(x[0], str):
-        raise BadValue(f"not a tagged value: {type(x).__name__}")
-    tag, rest = x[0], x[1:]
-    if tag in ("i", "f", "b") and len(rest) == 1 and isinstance(rest[0], str) and len(rest[0]) < 1 << 22:
+def judge(splits: list[Split], values_data: bytes, test_imports: list[str] | tuple[str, ...], cap: int,
+          budgets: dict[str, int] | None = None, python: str | None = None) -> Verdict:  # fmt: skip
+    """Decode ``values_data`` (the sample's bytes) and evaluate every check in a trusted child process under
+    ``budgets`` (:data:`.trusted.BUDGETS`); never raises: anything that goes wrong fails every assert with one
+    line."""
+    n = len(splits)
+    job = marshal.dumps({"checks": _checks(splits), "test_imports": list(test_imports), "values": values_data,
+                         "cap": cap})  # fmt: skip
+    argv = [python or sys.executable, "-I", "-S", "-B", trusted.__file__,
+            *(f"{k}={v}" for k, v in (budgets or {}).items())]  # fmt: skip
+
+    def failed(why: str, cpu: float = 0.0) -> Verdict:
+        return Verdict(False, (False,) * n, f"trusted side: {why}", False, cpu)
+
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})  # fmt: skip
+    except OSError as e:
+        return failed(f"cannot start {argv[0]}: {e}")
+    timer = threading.Timer(TRUSTED_TIMEOUT_S, proc.kill)
+    timer.start()
+    out = b""
+    try:
         try:
-            if tag == "i":
-                return int(rest[0], 16)  # hex: no int/str digit limit, linear time
-            if tag == "f":
-                return float.fromhex(rest[0])
-            return bytes.fromhex(rest[0])
-        except ValueError as e:
-            raise BadValue(f"bad {tag!r} literal") from e
-    if tag == "c" and len(rest) == 2 and all(isinstance(r, str) for r in rest):
+            proc.stdin.write(job)
+            proc.stdin.close()
+        except OSError:  # it died early: its status says why
+            pass
+        out = proc.stdout.read()
+        proc.stdout.close()
+    finally:
+        timer.cancel()
+        # wait4, not proc.wait(): the child's CPU time is the measurement of the trusted side's cost
         try:
-            return complex(float.fromhex(rest[0]), float.fromhex(rest[1]))
-        except ValueError as e:
-            raise BadValue("bad complex literal") from e
-    if tag in ("l", "t", "s", "z", "d") and len(rest) == 1 and type(rest[0]) is list:
-        items = [_decode(v, depth + 1) for v in rest[0]]
-        try:
-            if tag == "l":
-                return items
-            if tag == "t":
-                return tuple(items)
-            if tag == "s":
-                return set(items)
-            if tag == "z":
-                return frozenset(items)
-            if not all(type(kv) is tuple and len(kv) == 2 for kv in items):
-                raise BadValue("a dict item is not a (key, value) pair")
-            return dict(items)
-        except TypeError as e:  # unhashable key / element
-            raise BadValue(str(e)) from e
-    raise BadValue(f"unknown tag {tag!r}")
-
-
-def decode_values(data: bytes, n: int, cap: int) -> tuple[dict[int, Any], dict[int, str], str]:
-    """Parse the sample's values file: (values by index, errors by index, a problem note or "").
-
-    ``data`` was read with at most ``cap + 1`` bytes; more than ``cap`` is a failure of every value."""
-    if len(data) > cap:
-        return {}, {}, f"the values exceed {cap} bytes"
-    values: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    for line in data.split(b"\n"):
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):
-            return {}, {}, "the values file is not JSON lines"
-        if type(rec) is not list or len(rec) != 3 or type(rec[0]) is not int or not 0 <= rec[0] < n:
-            return {}, {}, "a values line is not [index, kind, value]"
-        i, kind, v = rec
-        if i in values or i in errors:
-            return {}, {}, f"value {i} sent twice"
-        if kind == "ok":
-            try:
-                values[i] = _decode(v, 0)
-            except (BadValue, RecursionError) as e:
-                errors[i] = f"unsupported value ({e})"
-        elif kind == "err" and isinstance(v, str):
-            errors[i] = v[:200]
-        else:
-            return {}, {}, "a values line has an unknown kind"
-    return values, errors, ""
-
-
-def judge(splits: list[Split], values: dict[int, Any], errors: dict[int, str],
-          test_imports: list[str] | tuple[str, ...] = ()) -> tuple[bool, list[bool], str]:  # fmt: skip
-    """Evaluate every check with the sample's values: (all passed, per-assert verdicts, first failure's reason)."""
-    env, _ = _import_names(tuple(test_imports))
-    verdicts: list[bool] = []
-    first = ""
-    k = 0
-    for j, s in enumerate(splits):
-        idx = range(k, k + len(s.calls))
-        k += len(s.calls)
-        why = ""
-        bad = [i for i in idx if i not in values]
-        if bad:
-            why = errors.get(bad[0], "no value came back (the program ended or timed out first)")
-            ok = False
-        else:
-            local = {f"{PLACEHOLDER}{i - idx.start}": values[i] for i in idx}
-            try:
-                ok = bool(eval(s.check, dict(env), local))  # noqa: S307 - the dataset's own assert, trusted values
-            except Exception as e:  # a wrong type from the sample, e.g. None where a list was expected
-                ok, why = False, f"{type(e).__name__}: {e}"
-            if not ok and not why:
-                why = "assertion failed"
-        verdicts.append(ok)
-        if not ok and not first:
-            first = f"test {j + 1}: {why}"
-    return all(verdicts), verdicts, first
-
-
-def all_calls(splits: list[Split]) -> list[str]:
-    """The call expressions of every assert, flattened in order (the sample's work list)."""
-    return [c for s in splits for c in s.calls]
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            cpu = usage.ru_utime + usage.ru_stime
+        except ChildProcessError:
+            proc.wait()
+            cpu = 0.0
+    if proc.returncode != 0:
+        sig = -proc.returncode
+        if sig in (24, 9) and cpu >= (budgets or BUDGETS).get("cpu_s", BUDGETS["cpu_s"]) - 0.05:  # SIGXCPU/SIGKILL
+            return failed(f"the values exceed the CPU budget ({cpu:.2f} CPU-s)", cpu)
+        if sig == 9:
+            return failed(f"killed after {TRUSTED_TIMEOUT_S:g} s of wall clock", cpu)
+        return failed(f"the child exited with status {proc.returncode}", cpu)
+    try:
+        res = marshal.loads(out)
+        verdicts = tuple(bool(v) for v in res["verdicts"]) if res["verdicts"] is not None else (False,) * n
+        if len(verdicts) != n:
+            raise ValueError("wrong number of verdicts")
+        return Verdict(bool(res["ok"]) and all(verdicts), verdicts, str(res["detail"]), bool(res["completed"]), cpu)
+    except (ValueError, EOFError, TypeError, KeyError) as e:
+        return failed(f"unreadable answer ({type(e).__name__})", cpu)
 
 
 def excerpt(text: str, n: int = 160) -> str:
@@ -297,7 +260,6 @@ def _tdlm_driver():
         del program
         exec(code, main.__dict__)
         return
-    compiled = [compile(c, "<call %d>" % i, "eval", dont_inherit=True) for i, c in enumerate(calls)]
     del program
     try:  # the C string escaper of the json package, without importing json (its import costs ~30 ms)
         from _json import encode_basestring_ascii as quote
@@ -344,10 +306,43 @@ def _tdlm_driver():
         raise TypeError("unsupported type " + type(v).__name__)
 
     exec(code, main.__dict__)
-    for i, c in enumerate(compiled):
+    g = main.__dict__
+    results = {}
+
+    def arg(kind, x):
+        if kind != "r":
+            return x
+        if x not in results:
+            raise NameError("an argument's own call failed")
+        return results[x]
+
+    for i, (root, attrs, call, sent) in enumerate(calls):
         try:
-            rec = '[%d,"ok",%s]' % (i, enc(eval(c, main.__dict__), 0))
+            if root not in g:  # the program's globals only: a builtin never answers for the candidate
+                raise NameError("name %r is not defined" % root)
+            obj = g[root]
+            for a in attrs:
+                obj = getattr(obj, a)
+            if call is not None:
+                args, kwargs = [], {}
+                for kind, x in call[0]:
+                    if kind == "s":
+                        args.extend(x)
+                    else:
+                        args.append(arg(kind, x))
+                for name, kind, x in call[1]:
+                    if kind == "d":
+                        kwargs.update(x)
+                    else:
+                        kwargs[name] = arg(kind, x)
+                obj = obj(*args, **kwargs)
+            results[i] = obj
+            if not sent:
+                continue
+            rec = '[%d,"ok",%s]' % (i, enc(obj, 0))
         except BaseException as e:  # SystemExit / KeyboardInterrupt too: the value is missing, the run goes on
+            if not sent:
+                continue
             rec = '[%d,"err",%s]' % (i, quote((type(e).__name__ + ": " + str(e))[:200]))
         write(out, (rec + "\n").encode())
     for stream in (sys.stdout, sys.stderr):  # os._exit skips the interpreter's own flush
