@@ -388,3 +388,59 @@ def test_a_foreign_adapter_is_refused_before_the_first_decode(tmp_path):
     assert not list((tmp_path / "out").rglob("*.jsonl"))  # no baseline sample was decoded
     check_adapters_fit(dataclasses.replace(cfg, allow_other_backbone=True))  # the explicit override passes
     check_adapters_fit(dataclasses.replace(cfg, backbone="tiny-llada"))  # its own backbone passes
+
+
+# -- issue 30: the planner's flags are parsed first and a mistake is one line with "did you mean" ----------------
+def test_planner_flag_mistake_is_one_line_with_did_you_mean_before_any_heavy_import(monkeypatch, capsys):
+    """``--gpu-memory 80`` printed 22 lines of usage and no hint, after 43 s of imports. The parse now comes before
+    torch and the planner's model are imported: with them made unimportable the mistake is still reported."""
+    from tdlm.training.planner import cli
+
+    for name in ("torch", "tdlm.training.planner.model", "tdlm.training.planner.measure"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import x` now raises ImportError
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--gpu-memory", "80"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err == ("error: unrecognized arguments: --gpu-memory (did you mean --gpu-mem?) 80; see python -m "
+                   "tdlm.training.planner --help\n")
+    with pytest.raises(SystemExit):
+        cli.main(["--dtype", "bf61"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice 'bf61' (choose from bf16, fp32); did you mean 'bf16'?" in err
+
+
+def test_planner_flag_tables_mirror_the_modules():
+    """cli.py lists presets, dtypes and DeepSpeed defaults as literals (no import before parsing); they must equal
+    the values in the modules they mirror."""
+    from tdlm.models.loading import PRESETS
+    from tdlm.training.planner import cli
+    from tdlm.training.planner.model import DTYPE_BYTES, DSKnobs
+
+    assert cli.PRESET_NAMES == tuple(PRESETS) and cli.DTYPES == tuple(sorted(DTYPE_BYTES))
+    assert cli.DS_DEFAULTS == {k: getattr(DSKnobs, k) for k in cli.DS_DEFAULTS}
+    assert cli.main(["--backbone", "tiny-llada", "--json"]) == 0  # and the imports after the parse still work
+
+
+def test_merge_advice_matches_where_the_duplicate_is(tmp_path):
+    """Issue 30: the merge advised removing a stray shard file when the duplicates were inside one file."""
+    from tdlm.evaluation.records import Appender, IncompleteResults, merge, shard_path
+
+    run = tmp_path / "run"
+    with Appender(shard_path(run, 0, 1)) as a:
+        for i in (0, 1, 1):  # a second writer appended t/1 again to the same file
+            a.write({"id": f"t/{i}", "index": i})
+    with pytest.raises(IncompleteResults) as e:
+        merge(run, ["t/0", "t/1"])
+    msg = str(e.value)
+    assert "1 duplicate: t/1 (twice in shard-000-of-001.jsonl)" in msg and "stray" not in msg, msg
+    assert "shard-000-of-001.jsonl repeats a sample: run one evaluation per output dir at a time" in msg
+    stray = tmp_path / "run2"
+    with Appender(shard_path(stray, 0, 1)) as a:
+        a.write({"id": "t/0", "index": 0})
+    with Appender(shard_path(stray, 0, 2)) as a:
+        a.write({"id": "t/0", "index": 0})
+    with pytest.raises(IncompleteResults) as e:
+        merge(stray, ["t/0"])
+    msg = str(e.value)
+    assert "remove the stray shard file shard-000-of-002.jsonl" in msg and "repeats a sample" not in msg, msg

@@ -130,13 +130,21 @@ def merge(run_dir: str | os.PathLike, expected: Iterable[str]) -> list[dict]:
     want = set(expected)
     seen: dict[str, tuple[dict, Path]] = {}
     dups: list[str] = []
+    within: set[str] = set()  # files holding an id twice themselves
+    across: set[str] = set()  # files repeating an id of an earlier file
     for f in shard_files(run_dir):
         for rec in read_records(f):
             rid = rec["id"]
             if rid not in want:
                 continue
             if rid in seen:
-                dups.append(f"{rid} ({seen[rid][1].name} and {f.name})")
+                first = seen[rid][1]
+                if first == f:
+                    dups.append(f"{rid} (twice in {f.name})")
+                    within.add(f.name)
+                else:
+                    dups.append(f"{rid} ({first.name} and {f.name})")
+                    across.add(f.name)
             else:
                 seen[rid] = (rec, f)
     missing = [i for i in expected if i not in seen]
@@ -148,7 +156,16 @@ def merge(run_dir: str | os.PathLike, expected: Iterable[str]) -> list[dict]:
         if dups:
             more = f" (+{len(dups) - 3} more)" if len(dups) > 3 else ""
             parts.append(f"{len(dups)} duplicate: {'; '.join(dups[:3])}{more}")
-        hint = "remove the stray shard file" if dups else "rerun the same command to decode the missing samples"
+        hints = []
+        if within:  # one writer per file: a second process appended to it (two jobs on one output dir)
+            hints.append(f"{', '.join(sorted(within))} repeats a sample: run one evaluation per output dir at a time; "
+                         f"delete the repeated line, or the file and rerun to decode its samples again")
+        if across:
+            hints.append(f"remove the stray shard file {', '.join(sorted(across))} (its samples are in another "
+                         f"shard already)")
+        if missing and not dups:
+            hints.append("rerun the same command to decode the missing samples")
+        hint = "; ".join(hints)
         raise IncompleteResults(
             f"{run_dir}: results incomplete ({'; '.join(parts)}); expected each of {len(expected)} problems "
             f"exactly once ({hint})"
