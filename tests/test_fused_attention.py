@@ -21,6 +21,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -77,8 +78,12 @@ def test_step_matches_float64_reference():
         for c in range(C):
             for p in range(N):
                 keys[i, c, p], values[i, c, p] = ref_key(w, xs[i, c, p], int(r_hist[i, c]))
+    # the cache's layout: (b, N, 2, M, 1 + C, d_h), the sink's zero key / value in slot 0, validity (b, N, 1 + C)
+    kv = F.pad(torch.stack((keys, values), 2).permute(0, 3, 2, 4, 1, 5), (0, 0, 1, 0)).float()
+    allowed = F.pad(valid.transpose(1, 2), (1, 0), value=True)
     with torch.no_grad():
-        z, k, v = mod.step(h.float(), r, (keys.float(), values.float(), valid))
+        z, entry = mod.step(h.float(), r, (kv, allowed))
+        k, v = entry[:, :, 0], entry[:, :, 1]
         out = mod.correct(h.float().clone(), 0, N, z, masked[..., None])
     expect = h.clone()
     for i in range(b):
@@ -90,7 +95,7 @@ def test_step_matches_float64_reference():
     assert torch.equal(out[0, 2], h[0, 2].float())  # no usable entry: h unchanged (zero-value sink)
     # m_{i,p} folded into the attention mask (the model's step path): z is exactly 0 where p is not masked
     with torch.no_grad():
-        zm, _, _ = mod.step(h.float(), r, (keys.float(), values.float(), valid), masked=masked[..., None])
+        zm, _ = mod.step(h.float(), r, (kv, allowed), masked=masked[..., None])
         folded = mod.correct(h.float().clone(), 0, N, zm, None)
     assert torch.equal(zm[~masked], torch.zeros_like(zm[~masked])) and torch.equal(folded[~masked], h.float()[~masked])
     assert rel(folded - h.float(), expect - h) <= TOL

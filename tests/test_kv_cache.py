@@ -202,7 +202,7 @@ def test_history_entries_only_for_computed_masked_positions(name, mode):
         start = torch.tensor([P + 4, P])
         model.forward_step(x, P, cache, select=sel, kv=KVStep.window(kv, start, bs, P + N, bb.logit_shift))
     masked = x[:, P:] == bb.mask_token_id
-    valid = next(iter(cache.layers.values())).valid[:, :2]  # (B, steps, N)
+    valid = cache.entry_validity()[:, :2]  # (B, steps, N)
     assert torch.equal(valid[:, 0], masked)
     in_block = torch.zeros_like(masked)
     in_block[0, 4 : 8 + model.offset] = in_block[1, 0 : 4 + model.offset] = True
@@ -374,8 +374,8 @@ def test_last_k_keeps_k_usable_entries_per_position_with_and_without_the_dual_ca
     counts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     commit = TemporalCache.commit
 
-    def recording(self, masked, written=None):
-        commit(self, masked, written)
+    def recording(self, masked, written=None, slot=None):
+        commit(self, masked, written, slot)
         counts[mode].append((masked[0].clone(), self.valid_entries()[0].clone()))
 
     monkeypatch.setattr(TemporalCache, "commit", recording)

@@ -227,41 +227,46 @@ class TemporalAttention(nn.Module):
         self,
         h: torch.Tensor,
         r: torch.Tensor,
-        history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        history: tuple[torch.Tensor, torch.Tensor] | None,
         own: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         masked: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Step-wise mode: one evaluation's Eq. 7-9 over a temporal cache, and its own entry.
 
-        h (b, N, d) before the correction, r (b,), ``history`` = keys, values (b, C, N, M, d_h) and validity
-        (b, C, N) of the C stored entries of each position (None: nothing stored yet, only the sink, so the
-        correction is exactly zero, Prop. 1). ``own`` (b, N) bool instead attends to this evaluation's own
+        h (b, N, d) before the correction, r (b,), ``history`` = (kv, allowed) in the attention's layout
+        (:class:`tdlm.temporal.history.LayerHistory`): kv (b, N, 2, M, 1 + C, d_h) with keys at [:, :, 0], values
+        at [:, :, 1] and the sink's zero key / value in slot 0, and ``allowed`` (b, N, 1 + C) bool, True where
+        a slot may be attended (column 0, the sink, always True). None: nothing stored yet, only the sink, so
+        the correction is exactly zero (Prop. 1). ``own`` (b, N) bool instead attends to this evaluation's own
         entry where True (history ``current``). ``rope``: :meth:`step_rope` of r, if already computed.
         ``masked`` (b, N, 1) = m_{i,p}: an unmasked query then sees the sink alone, so its z is exactly 0 and
-        Eq. 2's mask needs no multiply after the attention (:meth:`correct` with ``masked=None``).
-        Returns (z (b, N, d_t) or None, k, v (b, N, M, d_h)).
+        Eq. 2's mask needs no multiply after the attention (:meth:`correct` with ``masked=None``); the model
+        folds m into ``allowed`` once per evaluation instead.
+        Returns (z (b, N, d_t) or None, kv (b, N, 2, M, d_h): this evaluation's rotated key and value).
         """
         x = rope_rotate(self.project_qkv(h), rope if rope is not None else self.step_rope(r))  # (b, N, 3, M, d_h)
-        k, v = x[:, :, 1], x[:, :, 2]
+        entry = x[:, :, 1:]  # (b, N, 2, M, d_h): [R(r) W_K h, W_V h]
         if own is not None:
-            history = k[:, None], v[:, None], own[:, None]
+            ones = torch.ones_like(own[..., None])
+            history = F.pad(entry.unsqueeze(-2), (0, 0, 1, 0)), torch.cat((ones, own[..., None]), -1)
         if history is None:
-            return None, k, v
-        keys, values, valid = history
+            return None, entry
+        kv, allowed = history
         b, N, M, dh = h.shape[0], h.shape[1], self.heads, self.head_dim
-        q = x.view(b * N, 3, M, 1, dh)[:, 0]  # (b N, M, 1, d_h): one query per position and head
-        # (b, C, N, M, d_h) -> (b, N, M, 1 + C, d_h) with the sink's zero key / value in front: the pad is the
-        # one copy of the history
-        order, sink_row = (0, 2, 3, 1, 4), (0, 0, 1, 0)
-        keys = F.pad(keys.permute(order), sink_row).view(b * N, M, -1, dh)
-        values = F.pad(values.permute(order), sink_row).view(b * N, M, -1, dh)
-        allowed = valid.transpose(1, 2)  # (b, N, C)
         if masked is not None:
-            allowed = allowed & masked
-        bias = sink_bias(allowed, self.sink, x.dtype).view(b * N, 1, 1, -1)
-        z = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)  # (b N, M, 1, d_h)
-        return z.view(b, N, M * dh), k, v
+            sink = torch.arange(allowed.shape[-1], device=allowed.device) == 0
+            allowed = allowed & (masked | sink)
+        q = x[:, :, 0].reshape(b * N, M, 1, dh)  # one query per position and head
+        keys, values = kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)  # views (b N, M, 1 + C, d_h)
+        z = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.step_bias(allowed).view(b * N, 1, 1, -1))
+        return z.view(b, N, M * dh), entry
+
+    def step_bias(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Additive mask over the sink and C slots (..., 1 + C) from ``allowed``: b_l in the sink's column 0,
+        log 1 = 0 where allowed and -inf where not (:func:`sink_bias` with the sink already in the layout)."""
+        row = F.pad(self.sink.to(self.qkv.weight.dtype), (0, allowed.shape[-1] - 1))  # (1 + C,): b_l, 0, ..., 0
+        return torch.where(allowed, row, float("-inf"))
 
     def latent(self, h: torch.Tensor, r: torch.Tensor, latents: torch.Tensor, r_latents: torch.Tensor) -> torch.Tensor:
         """``latent:M``: Eq. 7-9 of h (b, N, d) at counts r (b,) over each position's latents (b, N, M_lat, d),

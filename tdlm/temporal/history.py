@@ -86,13 +86,28 @@ class HistoryPolicy:
         return n, n
 
 
+MIN_SLOTS = 8  # the smallest history storage; capacities double from here (bucket sizes)
+
+
+def slot_bucket(entries: int, most: int | None = None) -> int:
+    """Slots to hold ``entries`` entries: the smallest of 8, 16, 32, ... that does, capped at ``most``.
+
+    History storage only takes these sizes, so a compiled step sees a bounded number of shapes
+    (ceil(log2(most / 8)) + 1 of them) while attention reads about the filled part, not ``most`` slots."""
+    cap = MIN_SLOTS
+    while cap < entries:
+        cap *= 2
+    return cap if most is None else max(1, min(cap, most))
+
+
 @dataclass
 class LayerHistory:
-    """Keys/values of one temporal layer: (B, C, N, M, d_h) with validity (B, C, N); C = the capacity."""
+    """Keys and values of one temporal layer in the attention's layout: ``kv`` (B, N, 2, M, 1 + C, d_h), keys at
+    [:, :, 0] and values at [:, :, 1]. Slot 0 is the sink's zero key and value (Eq. 8-9), written once when the
+    storage is allocated; entries live in slots 1..C. ``kv[:, :, 0].flatten(0, 1)`` is the (B N, M, 1 + C, d_h)
+    key tensor of ``scaled_dot_product_attention`` as a view: nothing is copied to attend."""
 
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
+    kv: torch.Tensor | None = None
 
 
 @dataclass
@@ -101,17 +116,23 @@ class TemporalCache:
 
     Every response position p has its own ring of C slots per temporal layer: slot
     ``count[b, p] % C`` receives the rotated key and value of h_{l,p}(S_i) when evaluation i computes p
-    while p is masked, and ``count`` then advances for p alone. So ``last:k`` (C = k) keeps the k most recent
-    evaluations *of that position* in every cache mode: under the dual cache a position outside the active
+    while p is masked, and ``count`` then advances for p alone. So ``last:k`` (at most k slots) keeps the k most
+    recent evaluations *of that position* in every cache mode: under the dual cache a position outside the active
     block is not computed by a window step and keeps its entries (Table 2's restriction, position by
     position). ``full`` needs C >= the number of evaluations: :meth:`TDLM.new_cache` with ``length``
-    preallocates C = ``length`` (decoding reveals at least one token per evaluation); without it storage
-    starts at 8 slots and doubles on the host before an evaluation that could overflow it.
+    bounds C by ``length`` (decoding reveals at least one token per evaluation).
 
-    Validity is a mask, never a shape: every evaluation reads all C slots and attends where ``valid``
-    (A_{p,i,j} of Section 2.3), so the shapes of one request batch never change and a compiled step
-    neither recompiles nor syncs. Revealing a position invalidates all of its entries; changing blocks
-    resets nothing. Unwritten slots hold zeros (a masked-out zero entry contributes exactly 0).
+    Storage is in the attention's layout (:class:`LayerHistory`) and sized by the host, before an evaluation
+    that could overflow it, to :func:`slot_bucket` of the entries a position can hold (8, 16, 32, ... slots, at
+    most k for ``last:k`` and ``max_capacity`` for ``full``): attention reads the filled part, rounded up to a
+    bucket, and growing copies the storage once per bucket, not once per evaluation. Below ``max_capacity``
+    no ring has wrapped (count <= evaluations < C), so a slot keeps its meaning when the storage grows.
+
+    Validity is a mask shared by the temporal layers (an evaluation writes the same positions at every layer):
+    ``valid`` (B, N, 1 + C) bool, column 0 the sink (always True), True where a slot holds a usable entry
+    (A_{p,i,j} of Section 2.3). Between bucket changes the shapes of one request batch never change and a
+    compiled step neither recompiles nor syncs. Revealing a position invalidates all of its entries; changing
+    blocks resets nothing. Unwritten slots hold zeros (a masked-out zero entry contributes exactly 0).
     """
 
     batch_size: int
@@ -120,7 +141,9 @@ class TemporalCache:
     length: int | None = None  # response positions N
     steps: int = 0  # evaluations seen (host counter; never read inside a compiled step)
     capacity: int = 0  # C: slots per position and layer (0 before allocation)
+    max_capacity: int | None = None  # the most C may grow to (None: unbounded ``full``)
     count: torch.Tensor | None = None  # (B, N) int64: entries ever written per position
+    valid: torch.Tensor | None = None  # (B, N, 1 + C) bool, column 0 the sink
     layers: dict[int, LayerHistory] = field(default_factory=dict)
 
     def check(self, batch_size: int, prompt_len: int, length: int) -> None:
@@ -139,104 +162,122 @@ class TemporalCache:
         """Entries a position that was computed at every evaluation holds now (min(steps, C))."""
         return min(self.steps, self.capacity) if self.layers else 0
 
+    def _most(self) -> int | None:
+        return self.policy.k if self.policy.kind == "last" else self.max_capacity
+
     def allocate(self, layers, length: int, heads: int, head_dim: int, dtype: torch.dtype, device,
                  capacity: int | None = None) -> None:  # fmt: skip
-        """Allocate zeroed storage for ``layers`` at once: C = ``capacity`` (``full``), k (``last:k``)."""
+        """Allocate zeroed storage for ``layers`` at once, the first bucket (:func:`slot_bucket`) of a history of
+        at most ``capacity`` entries (``full``; None: unbounded) or k (``last:k``)."""
         if not self.policy.uses_cache:
             return
-        if self.policy.kind == "last":
-            capacity = self.policy.k
-        elif capacity is None or capacity < 1:
-            raise TDLMError(f"history {self.policy} needs a capacity >= 1 (the most evaluations); got {capacity}")
-        B, shape = self.batch_size, (self.batch_size, capacity, length, heads, head_dim)
-        self.capacity = capacity
+        if self.policy.kind == "full":
+            if capacity is not None and capacity < 1:
+                raise TDLMError(f"history {self.policy} needs a capacity >= 1 (the most evaluations); got {capacity}")
+            self.max_capacity = capacity
+        B, C = self.batch_size, slot_bucket(1, self._most())
+        self.capacity, self.length = C, length
         self.count = torch.zeros((B, length), dtype=torch.long, device=device)
+        self.valid = torch.zeros((B, length, 1 + C), dtype=torch.bool, device=device)
+        self.valid[:, :, 0] = True
         for layer in layers:
             self.layers[layer] = LayerHistory(
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros((B, capacity, length), dtype=torch.bool, device=device),
-            )
+                torch.zeros((B, length, 2, heads, 1 + C, head_dim), dtype=dtype, device=device))
+        self._slots_dynamic()
+
+    def _slots_dynamic(self) -> None:
+        """Tell torch.compile that the slot count varies (the buckets), so one graph per step kind serves all of
+        them instead of one per bucket, or a second when dynamo would notice the change itself."""
+        for lh in self.layers.values():
+            torch._dynamo.maybe_mark_dynamic(lh.kv, 4)
+        torch._dynamo.maybe_mark_dynamic(self.valid, 2)
 
     def reserve(self, evaluations: int) -> None:
-        """Host side, before an evaluation: grow ``full`` storage (doubling) so ``evaluations`` entries fit."""
-        if self.policy.kind != "full" or not self.layers or evaluations <= self.capacity:
+        """Host side, before an evaluation: grow the storage to the bucket that holds ``evaluations`` entries
+        per position (at most ``max_capacity``, or k). The only copy of the history, once per bucket."""
+        if not self.layers:
             return
-        grow = self.capacity
-        while self.capacity + grow < evaluations:
-            grow *= 2
+        want = slot_bucket(evaluations, self._most())
+        if want <= self.capacity:
+            return
+        grow = want - self.capacity
         for lh in self.layers.values():
-            lh.keys = torch.cat([lh.keys, lh.keys.new_zeros((lh.keys.shape[0], grow, *lh.keys.shape[2:]))], 1)
-            lh.values = torch.cat([lh.values, torch.zeros_like(lh.keys[:, self.capacity :])], 1)
-            lh.valid = torch.cat([lh.valid, lh.valid.new_zeros((lh.valid.shape[0], grow, lh.valid.shape[2]))], 1)
-        self.capacity += grow
+            lh.kv = torch.cat([lh.kv, lh.kv.new_zeros((*lh.kv.shape[:4], grow, lh.kv.shape[5]))], 4)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros((*self.valid.shape[:2], grow))], 2)
+        self.capacity = want
+        self._slots_dynamic()
 
-    def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Keys, values (B, C, N, M, d_h) and validity (B, C, N) of every slot; None before allocation."""
+    def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """History of ``layer`` in the attention's layout: kv (B, N, 2, M, 1 + C, d_h) and the shared validity
+        (B, N, 1 + C), sink slot first; None before allocation."""
         lh = self.layers.get(layer)
-        if lh is None or lh.keys is None:
+        if lh is None or lh.kv is None:
             return None
-        return lh.keys, lh.values, lh.valid
+        return lh.kv, self.valid
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, written: torch.Tensor) -> None:
-        """Store this evaluation's entry for ``layer``: k, v (B, N, M, d_h) where ``written`` (B, N) (masked and
-        computed), each position in its own next slot; other slots and positions are left as they are."""
+    def slots(self, written: torch.Tensor) -> torch.Tensor:
+        """(B, N) slot of this evaluation's entry per position: its ring's next slot (1 + count % C) where
+        ``written``, else the sink's slot 0, which receives zeros and so stays the zero key / value."""
+        return torch.where(written, self.count % (self.valid.shape[2] - 1) + 1, 0)
+
+    def append(self, layer: int, kv: torch.Tensor, written: torch.Tensor, slot: torch.Tensor | None = None) -> None:
+        """Store this evaluation's entry for ``layer``: kv (B, N, 2, M, d_h) (keys, values) where ``written``
+        (B, N) (masked and computed), each position in its own next slot (``slot``: :meth:`slots`, shared by the
+        layers of one evaluation); other slots and positions are left as they are. Validity and the counts advance
+        in :meth:`commit`, once for all layers."""
         if not self.policy.uses_cache:
             return
-        if layer not in self.layers:  # eager callers without preallocation: allocate on the first entry
-            B, N, M, D = k.shape
-            cap = 8 if self.policy.kind == "full" else self.policy.k
-            if not self.layers:
-                self.capacity = cap
-                self.count = torch.zeros((B, N), dtype=torch.long, device=k.device)
-            shape = (B, self.capacity, N, M, D)
-            self.layers[layer] = LayerHistory(k.new_zeros(shape), v.new_zeros(shape),
-                                              torch.zeros(shape[:3], dtype=torch.bool, device=k.device))  # fmt: skip
         lh = self.layers[layer]
-        slot = (self.count % self.capacity)[:, None]  # (B, 1, N)
-        w = written[:, None]  # (B, 1, N)
-        lh.valid.scatter_(1, slot, w | lh.valid.gather(1, slot))
-        ks = slot[..., None, None].expand(-1, -1, -1, *k.shape[2:])  # (B, 1, N, M, d_h)
-        w5 = w[..., None, None]
-        lh.keys.scatter_(1, ks, torch.where(w5, k[:, None], lh.keys.gather(1, ks)))
-        lh.values.scatter_(1, ks, torch.where(w5, v[:, None], lh.values.gather(1, ks)))
+        slot = self.slots(written) if slot is None else slot
+        value = torch.where(written[:, :, None, None, None], kv, 0).unsqueeze(-2)  # (B, N, 2, M, 1, d_h)
+        lh.kv.scatter_(4, slot[:, :, None, None, None, None].expand_as(value), value)
 
-    def commit(self, masked: torch.Tensor, written: torch.Tensor | None = None) -> None:
+    def commit(self, masked: torch.Tensor, written: torch.Tensor | None = None,
+               slot: torch.Tensor | None = None) -> None:
         """Finish an evaluation whose input had ``masked`` (B, N) response positions, of which it computed and
-        stored ``written`` (default: all masked). Tensor work only; the host counter ``steps`` is advanced by
-        the caller (:meth:`TDLM.forward_groups`), so a compiled evaluation never reads a changing int."""
+        stored ``written`` (default: all masked) in ``slot`` (:meth:`slots`). Tensor work only; the host counter
+        ``steps`` is advanced by the caller (:meth:`TDLM.forward_groups`), so a compiled evaluation never reads a
+        changing int."""
         if not self.policy.uses_cache or not self.layers:
             return
-        self.count += masked if written is None else written
-        # A position revealed in this input is never masked again: its history is dead.
-        for lh in self.layers.values():
-            lh.valid &= masked[:, None, :]
+        written = masked if written is None else written
+        slot = self.slots(written) if slot is None else slot
+        self.valid.scatter_(2, slot[:, :, None], True)  # unwritten positions set the sink's column: True already
+        self.count += written
+        # A position revealed in this input is never masked again: its history is dead (the sink stays).
+        self.valid &= masked[:, :, None] | self.sink_column()
+
+    def sink_column(self) -> torch.Tensor:
+        """(1 + C,) bool, True at the sink's column 0 only."""
+        return torch.arange(self.valid.shape[2], device=self.valid.device) == 0
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
         index = index.to(torch.long)
         for lh in self.layers.values():
-            if lh.keys is not None:
-                lh.keys = lh.keys.index_select(0, index.to(lh.keys.device))
-                lh.values = lh.values.index_select(0, index.to(lh.values.device))
-                lh.valid = lh.valid.index_select(0, index.to(lh.valid.device))
-        if self.count is not None:
-            self.count = self.count.index_select(0, index.to(self.count.device))
+            if lh.kv is not None:
+                lh.kv = lh.kv.index_select(0, index.to(lh.kv.device))
+        for name in ("count", "valid"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, index.to(t.device)))
         self.batch_size = int(index.numel())
+        if self.layers:
+            self._slots_dynamic()
+
+    def entry_validity(self) -> torch.Tensor | None:
+        """(B, C, N) bool: which slot of each position holds a usable entry (the sink left out)."""
+        return None if self.valid is None else self.valid[:, :, 1:].transpose(1, 2)
 
     def valid_entries(self) -> torch.Tensor | None:
-        """(B, N) number of usable history entries per position (first temporal layer)."""
-        if not self.layers:
-            return None
-        lh = next(iter(self.layers.values()))
-        return lh.valid.sum(1)
+        """(B, N) number of usable history entries per position."""
+        return None if self.valid is None else self.valid[:, :, 1:].sum(-1)
 
     def nbytes(self) -> int:
-        total = 0 if self.count is None else self.count.numel() * self.count.element_size()
+        total = sum(t.numel() * t.element_size() for t in (self.count, self.valid) if t is not None)
         for lh in self.layers.values():
-            for t in (lh.keys, lh.values, lh.valid):
-                if t is not None:
-                    total += t.numel() * t.element_size()
+            if lh.kv is not None:
+                total += lh.kv.numel() * lh.kv.element_size()
         return total
 
 

@@ -144,29 +144,27 @@ def _merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor]], B: int) -
 
 
 def _history_rows(t: torch.Tensor, rows: torch.Tensor | None, j: torch.Tensor | None) -> torch.Tensor:
-    """History entries t (B, H, N, ...) of ``rows`` (None: all) at response positions ``j`` (b, W) (None: all N)."""
+    """History t (B, N, ...) of ``rows`` (None: all) at response positions ``j`` (b, W) (None: all N); the whole
+    storage itself (no copy) when both are None."""
     if j is None:
         return t if rows is None else t[rows]
-    b, W = j.shape
-    ri = torch.arange(b, device=j.device) if rows is None else rows
-    hi = torch.arange(t.shape[1], device=j.device)
-    return t[ri[:, None, None], hi[None, :, None], j[:, None, :]]  # (b, H, W, ...)
+    ri = torch.arange(j.shape[0], device=j.device) if rows is None else rows
+    return t[ri[:, None], j]  # (b, W, ...)
 
 
-def _merge_entries(parts: list, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This evaluation's entry of one layer, (B, N, M, dh) keys/values and (B, N) validity, from the groups'
-    parts (rows, slots, k, v, valid); positions a window did not compute stay invalid (zero keys/values)."""
+def _merge_entries(parts: list, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This evaluation's entry of one layer, (B, N, 2, M, dh) keys/values and (B, N) validity, from the groups'
+    parts (rows, slots, kv, valid); positions a window did not compute stay invalid (zero keys/values)."""
     if len(parts) == 1 and parts[0][0] is None and parts[0][1] is None:
-        return parts[0][2], parts[0][3], parts[0][4]
+        return parts[0][2], parts[0][3]
     k0 = parts[0][2]
-    K = k0.new_zeros((B, N + 1, *k0.shape[2:]))  # column N: where window rows outside the response land
-    V = torch.zeros_like(K)
+    KV = k0.new_zeros((B, N + 1, *k0.shape[2:]))  # column N: where window rows outside the response land
     valid = torch.zeros((B, N + 1), dtype=torch.bool, device=k0.device)
-    for rows, slots, k, v, m in parts:
-        ri = (torch.arange(k.shape[0], device=k.device) if rows is None else rows)[:, None]
-        cols = torch.arange(N, device=k.device)[None] if slots is None else slots[2]
-        K[ri, cols], V[ri, cols], valid[ri, cols] = k, v, m
-    return K[:, :N], V[:, :N], valid[:, :N]
+    for rows, slots, kv, m in parts:
+        ri = (torch.arange(kv.shape[0], device=kv.device) if rows is None else rows)[:, None]
+        cols = torch.arange(N, device=kv.device)[None] if slots is None else slots[2]
+        KV[ri, cols], valid[ri, cols] = kv, m
+    return KV[:, :N], valid[:, :N]
 
 
 class TDLM(nn.Module):
@@ -249,19 +247,22 @@ class TDLM(nn.Module):
         cls = LatentCache if self.policy.recurrent else TemporalCache
         cache = cls(batch_size=batch_size, policy=self.policy)
         if length is not None and not self.policy.recurrent:
-            p = next(self.temporal.parameters())
-            cache.allocate(self.layer_ids, length, self.config.heads, self.config.head_dim, p.dtype, p.device,
-                           capacity=length)  # fmt: skip
+            self._allocate(cache, length, capacity=length)
         return cache
+
+    def _allocate(self, cache: TemporalCache, length: int, capacity: int | None) -> None:
+        p = next(self.temporal.parameters())
+        cache.allocate(self.layer_ids, length, self.config.heads, self.config.head_dim, p.dtype, p.device,
+                       capacity=capacity)  # fmt: skip
 
     def temporal_cache_bytes(self, batch_size: int, length: int, steps: int) -> int:
         """``cache.nbytes()`` after ``steps`` evaluations of ``length`` response positions.
 
-        Entry-based policies store, per layer, entries of key + value (2 d_t) and a validity flag:
-        ``full`` in a capacity of max(8, 2^ceil(log2 steps)) entries (storage doubles), ``last:k`` in
-        k, ``current`` nothing, plus one int64 write count per position. ``latent:M`` stores M d per
-        position and layer, whatever ``steps`` is. (A cache preallocated with ``new_cache(B, length)``
-        holds C = ``length`` slots for ``full`` from the start.)
+        Entry-based policies store, per layer, the sink's zero slot and C entry slots of key + value (2 d_t
+        each), plus per position one validity flag per slot (shared by the layers) and an int64 write count;
+        C = max(8, 2^ceil(log2 steps)) for ``full`` (storage doubles), the same capped at k for ``last:k``;
+        ``current`` stores nothing. ``latent:M`` stores M d per position and layer, whatever ``steps`` is.
+        (A cache made with ``new_cache(B, length)`` caps ``full``'s C at ``length``.)
         """
         if steps <= 0 or not self.policy.uses_cache:
             return 0
@@ -270,8 +271,9 @@ class TDLM(nn.Module):
         if self.policy.recurrent:  # latents + alive flags (B, N) + r_last (B,) int64
             return L_t * B * N * self.num_latents * self.backbone.hidden_size * es + B * N + B * 8
         d_t = self.config.heads * self.config.head_dim
-        cap = self.policy.k if self.policy.kind == "last" else max(8, 1 << (steps - 1).bit_length())
-        return L_t * B * cap * N * (2 * d_t * es + 1) + B * N * 8
+        cap = max(8, 1 << (steps - 1).bit_length())
+        cap = min(cap, self.policy.k) if self.policy.kind == "last" else cap
+        return L_t * B * N * 2 * (1 + cap) * d_t * es + B * N * (1 + cap) + B * N * 8
 
     # -- shared pieces -------------------------------------------------------------------------
     def _masked(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -433,7 +435,9 @@ class TDLM(nn.Module):
                 raise TDLMError(f"cache 'dual' cannot serve history {self.policy} (its latents keep one progress "
                                 f"count per request); allowed caches: none, prefix")  # fmt: skip
             return self._latent_step(prompt_len, cache, groups, masked)
-        cache.reserve(cache.steps + 1)  # host: grow an unpreallocated `full` history before the step reads it
+        if self.policy.uses_cache and not cache.layers:  # a cache made without `length`: unbounded `full`
+            self._allocate(cache, L - prompt_len, capacity=None)
+        cache.reserve(cache.steps + 1)  # host: the storage's bucket for this evaluation, before the step reads it
         logits = (evaluate or TDLM.evaluate_groups)(self, prompt_len, cache, groups)
         cache.steps += 1
         return logits
@@ -449,11 +453,12 @@ class TDLM(nn.Module):
         masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
         pending: dict[int, list] = {}
         logits = [self._entry_group(g, prompt_len, cache, pending) for g in groups]
-        written = None
+        written, slot = None, None
         for layer, parts in pending.items():
-            k, v, written = _merge_entries(parts, B, N)
-            cache.append(layer, k, v, written)
-        cache.commit(masked, written)
+            kv, written = _merge_entries(parts, B, N)
+            slot = cache.slots(written) if slot is None else slot  # the same positions at every layer
+            cache.append(layer, kv, written, slot)
+        cache.commit(masked, written, slot)
         return logits
 
     def _slots(self, kv: KVStep | None, prompt_len: int, L: int):
@@ -473,6 +478,10 @@ class TDLM(nn.Module):
         slots = self._slots(g.kv, prompt_len, g.input_ids.shape[1])
         m = masked if slots is None else slots[1] & masked.gather(1, slots[0])  # masked and computed
         mcol = m.unsqueeze(-1)
+        j = None if slots is None else slots[0]
+        allowed = None  # (b, N or W, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
+        if self.policy.kind != "current" and cache.valid is not None:
+            allowed = _history_rows(cache.valid, g.rows, j) & (mcol | cache.sink_column())
         tables: dict = {}  # this evaluation's temporal RoPE tables, computed at the first temporal layer
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -487,19 +496,13 @@ class TDLM(nn.Module):
             if "rope" not in tables:  # R(r) tables: one per evaluation, shared by the temporal layers
                 tables["rope"] = mod.step_rope(r)
             if self.policy.kind == "current":
-                z, _, _ = mod.step(hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
+                z, _ = mod.step(hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
             else:
-                history = None  # cold start: only the zero-value sink (Prop. 1)
                 vis = cache.visible(layer)
-                if vis is not None:
-                    j = None if slots is None else slots[0]
-                    keys, values = _history_rows(vis[0], g.rows, j), _history_rows(vis[1], g.rows, j)
-                    valid = _history_rows(vis[2], g.rows, j)  # (b, H, N or W)
-                    if slots is not None:
-                        valid = valid & slots[1][:, None]
-                    history = keys, values, valid
-                z, k, v = mod.step(hr, r, history, rope=tables["rope"], masked=mcol)  # Eq. 7-9: 1 matmul, rope, SDPA
-                pending.setdefault(layer, []).append((g.rows, slots, k, v, m))
+                # the storage itself, a view (no copy), unless a window or a row group gathers its rows
+                history = None if vis is None else (_history_rows(vis[0], g.rows, j), allowed)
+                z, kv = mod.step(hr, r, history, rope=tables["rope"])  # Eq. 7-9: 1 matmul, rope, SDPA
+                pending.setdefault(layer, []).append((g.rows, slots, kv, m))
                 if z is None:
                     return h
             return mod.correct(h, a, b, z, None, hr)  # Eq. 10 + Eq. 2 (z = 0 where m = 0), in place without autograd
