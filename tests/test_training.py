@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,6 +108,11 @@ def test_zero3_trains_and_exports(zero3_run):
     assert adapter.layer_ids == [1, 3]
     assert any(torch.count_nonzero(m.o_proj.weight) > 0 for m in adapter.temporal.values())
     assert list((zero3_run / "wandb").glob("offline-run-*"))
+    # the W&B config records the adapter's size (it said 0 once: ZeRO-3 had partitioned the parameters)
+    count = adapter.num_temporal_parameters()
+    assert summary["temporal_parameters"] == count > 0
+    (wb,) = (zero3_run / "wandb").glob("offline-run-*/run-*.wandb")
+    assert f'"temporal_parameters":{count}'.encode() in wb.read_bytes()  # the config record's compact JSON
 
 
 @pytest.mark.slow
@@ -121,26 +127,96 @@ def test_zero2_matches_zero3(tmp_path, traj_dir, zero3_run):
         assert abs(a[s] - b[s]) <= 5e-3 * abs(a[s]), (s, a[s], b[s])
 
 
+def _wait_for_step(out: Path, proc, step: int, timeout: float = 600) -> None:
+    """Until ``step`` updates are in metrics.jsonl (complete lines only: rank 0 may be mid-write)."""
+    deadline = time.time() + timeout
+    path = out / "metrics.jsonl"
+    while not path.exists() or path.read_text().count("\n") < step:
+        assert proc.poll() is None and time.time() < deadline, out.with_suffix(".log").read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _wait_ranks_gone(out: Path, proc, timeout: float = 120) -> int:
+    """The runner's exit status, once every rank of ``out`` has exited too (Ctrl-C ends the runner first)."""
+    rc = proc.wait(timeout=timeout)
+    deadline = time.time() + timeout
+    while _rank_pids(out):
+        assert time.time() < deadline, "ranks still running"
+        time.sleep(0.2)
+    return rc
+
+
+def _stop_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "resume with --resume" in line]
+
+
 @pytest.mark.slow
-def test_kill_and_resume_matches_uninterrupted(tmp_path, traj_dir, zero3_run):
+def test_ctrl_c_and_preemption_then_resume_match_uninterrupted(tmp_path, traj_dir, zero3_run):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it), then SIGUSR1 to rank 1 alone (Slurm's
+    --signal): each time every rank stops after the same update, checkpoints and exits with one line; two resumes
+    then give the uninterrupted run's metrics and adapter bit for bit, in one W&B run. A checkpoint folder left
+    half-written (as a SIGKILL mid-save leaves it) is skipped by the last resume."""
+    from safetensors.torch import load_file
+
+    from tdlm.training.run_dir import EXIT_PREEMPTED, verify_checksums
+
     ds = _ds_json(tmp_path, "zero3.json", 3)
     out = tmp_path / "run"
+    log_path = out.with_suffix(".log")
     proc = _launch(ds, traj_dir, out, background=True)
-    deadline = time.time() + 600
-    while not (out / "checkpoints" / "step-8").exists():
-        assert proc.poll() is None and time.time() < deadline, out.with_suffix(".log").read_text()[-3000:]
-        time.sleep(0.5)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    _wait_for_step(out, proc, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    _wait_ranks_gone(out, proc)
+    log = log_path.read_text()
+    (line,) = _stop_lines(log)
+    m = re.fullmatch(r"interrupted at step (\d+) \(SIGINT; checkpoint (.*)\); resume with --resume", line.strip())
+    assert m, line
+    first = int(m.group(1))
+    assert 3 <= first < 8 and Path(m.group(2)) == out / "checkpoints" / f"step-{first}"
+    verify_checksums(Path(m.group(2)))
+    assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log) and "gloo" not in log, log[-3000:]
     assert not (out / "summary.json").exists()
+
+    # SIGUSR1 to one rank only: both agree at the next boundary; the exit status reaches the `deepspeed` command
+    proc = _launch(ds, traj_dir, out, "--resume", background=True)
+    _wait_for_step(out, proc, first + 3)
+    ranks = sorted(_rank_pids(out))
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGUSR1)
+    assert _wait_ranks_gone(out, proc) == EXIT_PREEMPTED
+    log = log_path.read_text()
+    assert [line for line in log.splitlines() if line.startswith("resuming from step")] == [
+        f"resuming from step {first} ({out / 'checkpoints' / f'step-{first}'}; W&B run "
+        f"{json.loads((out / 'wandb_run.json').read_text())['id']})"]
+    (line,) = _stop_lines(log)
+    m = re.fullmatch(r"preempted at step (\d+) \(SIGUSR1; checkpoint .*\); resume with --resume", line.strip())
+    assert m, line
+    second = int(m.group(1))
+    assert second >= first + 3
+    assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log) and "gloo" not in log, log[-3000:]
+    torn = out / "checkpoints" / f"step-{second + 1}"  # a save that never finished: no SHA256SUMS.json
+    torn.mkdir()
+    (torn / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+
     _launch(ds, traj_dir, out, "--resume")
+    assert f"resuming from step {second} " in log_path.read_text()
     ref, got = _losses(zero3_run), _losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["resumed_from"] >= 8
-    for s in range(summary["resumed_from"] + 1, STEPS + 1):
-        assert abs(got[s] - ref[s]) <= 1e-6 * abs(ref[s]), (s, got[s], ref[s])
+    assert summary["resumed_from"] == second
+    for s in range(1, STEPS + 1):
+        assert got[s] == ref[s], (s, got[s], ref[s])  # bit-identical (MKL_CBWR, same data order, same state)
+    a, b = load_file(zero3_run / "adapter" / "adapter.safetensors"), load_file(out / "adapter" / "adapter.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # one W&B run across the three launches, and how each launch ended
+    record = json.loads((out / "wandb_run.json").read_text())
+    assert [(e["state"], e["step"], e.get("signal"), e["exit_code"]) for e in record["exits"]] == [
+        ("interrupted", first, "SIGINT", EXIT_PREEMPTED), ("preempted", second, "SIGUSR1", EXIT_PREEMPTED),
+        ("finished", STEPS, None, 0)]
+    runs = sorted((out / "wandb").glob(f"offline-run-*-{record['id']}"))
+    assert len(runs) == 3 and len(list((out / "wandb").glob("offline-run-*"))) == 3
+    first_launch = next(runs[0].glob("run-*.wandb")).read_bytes()
+    assert b"stopped_at_step" in first_launch and b"interrupted" in first_launch  # written although Ctrl-C
 
 
 @pytest.mark.slow
@@ -287,7 +363,8 @@ def test_checkpoints_carry_checksums_and_the_logged_lr_is_the_one_used(zero3_run
     from tdlm.training.run_dir import SUMS, verify_checksums
 
     tags = sorted((zero3_run / "checkpoints").glob("step-*"))
-    assert [t.name for t in tags] == ["step-16", "step-24", "step-8"]
+    assert [t.name for t in tags] == ["step-16", "step-24"]  # train.keep_last=2: step-8 went once step-24 verified
+    assert (zero3_run / "checkpoints" / "latest").read_text() == "step-24"
     for tag in tags:
         assert (tag / SUMS).exists()
         verify_checksums(tag)
@@ -332,7 +409,16 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path, traj_dir):
         while _rank_pids(out) and time.time() < deadline:
             time.sleep(1)
         assert not _rank_pids(out), "ranks kept running after the launcher died"
-        assert "is gone; stopping rank" in out.with_suffix(".log").read_text()
+        log = out.with_suffix(".log").read_text()
+        assert "is gone; stopping rank" in log
+        # ... and they stopped as if preempted (the watcher's SIGTERM): together, with a verified checkpoint
+        from tdlm.training.run_dir import verify_checksums
+
+        (line,) = _stop_lines(log)
+        m = re.fullmatch(r"preempted at step (\d+) \(SIGTERM; checkpoint (.*)\); resume with --resume", line.strip())
+        assert m, line
+        verify_checksums(Path(m.group(2)))
+        assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log) and "gloo" not in log, log[-3000:]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -9,11 +9,14 @@ from tdlm.tracking.runs import (
     adapter_artifact_name,
     experiment_group,
     grid_tags,
+    previous_run_id,
     read_metrics,
     run_tags,
+    start_detached_service,
     tag,
     wandb_mode,
 )
 
 __all__ = ["ADAPTER_ARTIFACT_TYPE", "RUN_RECORD", "NullTracker", "Tracker", "adapter_artifact_name",
-           "experiment_group", "grid_tags", "read_metrics", "run_tags", "tag", "wandb_mode"]
+           "experiment_group", "grid_tags", "previous_run_id", "read_metrics", "run_tags",
+           "start_detached_service", "tag", "wandb_mode"]

@@ -12,6 +12,7 @@ import json
 import math
 import netrc
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,9 @@ class NullTracker:
     def truncate(self, step: int) -> None:
         pass
 
+    def stop(self, step: int, state: str, signal: str, exit_code: int = 75) -> None:
+        pass
+
     def finish(self, summary: dict[str, Any]) -> None:
         pass
 
@@ -82,6 +86,15 @@ class NullTracker:
 MAX_TAG_LEN = 64  # W&B refuses longer tags
 ADAPTER_ARTIFACT_TYPE = "tdlm-adapter"
 RUN_RECORD = "wandb_run.json"  # the W&B run's identity, next to the local metrics
+
+
+def previous_run_id(run_dir: str | Path) -> str | None:
+    """The W&B run id recorded in ``<run_dir>/wandb_run.json`` (the run a resume continues), else None."""
+    try:
+        rid = json.loads((Path(run_dir) / RUN_RECORD).read_text()).get("id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) and rid else None
 
 
 def tag(key: str, value: object) -> str:
@@ -148,35 +161,129 @@ def _adapter_artifact(adapter_dir: str | Path, name: str, metadata: dict | None 
     return art
 
 
+SERVICE_ENV = "WANDB_SERVICE"  # how a W&B client finds an already running wandb-core
+
+
+def start_detached_service(idle_timeout: str = "15m") -> subprocess.Popen | None:
+    """Start W&B's service (``wandb beta core start``) outside this process tree, in the background.
+
+    Under ``deepspeed``, a stop (Ctrl-C, a preemption) makes DeepSpeed's launch.py terminate each rank's whole
+    process tree, and the wandb-core that ``wandb.init`` starts as a child of rank 0 exits at once on SIGTERM
+    without writing what it holds: an offline run kept 7 bytes and no exit record (measured). A detached service
+    belongs to no rank's tree (its starter exits at once; its own session, so no Ctrl-C either). The Tracker shuts
+    it down when the run closes; ``idle_timeout`` (counted while no client is connected, so it must outlast the
+    set-up before ``wandb.init``) is the fallback. Hand the returned process to :class:`Tracker` (``service=``);
+    None when W&B's CLI is missing or a service is already set up.
+    """
+    exe = Path(sys.executable).with_name("wandb")
+    if os.environ.get(SERVICE_ENV) or not exe.exists():
+        return None
+    try:
+        return subprocess.Popen([str(exe), "beta", "core", "start", "--idle-timeout", idle_timeout],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True)  # fmt: skip
+    except OSError:
+        return None
+
+
+def _use_service(proc: subprocess.Popen | None) -> None:
+    """Point this process's W&B client at the service ``proc`` started (its token is its first stdout line)."""
+    if proc is None:
+        return
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return
+    token = out.strip().splitlines()[0] if proc.returncode == 0 and out.strip() else ""
+    if token:
+        os.environ[SERVICE_ENV] = token
+
+
+def _stop_service() -> None:
+    """Close this process's W&B connection and shut down the detached service it used (``wandb beta core stop``,
+    in-process; its two status lines are W&B's business, not the user's). Failing that, its idle timeout ends it."""
+    import contextlib
+    import io
+
+    if not os.environ.get(SERVICE_ENV):
+        return
+    try:
+        import wandb
+        from wandb.cli import beta_core
+
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            wandb.teardown()
+            beta_core.stop()
+    except BaseException:  # noqa: BLE001 - SystemExit from teardown included: the idle timeout remains
+        pass
+    os.environ.pop(SERVICE_ENV, None)
+
+
+def _read_record(run_dir: Path) -> dict:
+    try:
+        rec = json.loads((run_dir / RUN_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
 class Tracker(NullTracker):
     """Appends metrics to ``<run_dir>/metrics.jsonl`` and mirrors them to a W&B run.
 
-    ``wandb_run.json`` beside them records the W&B run's id, project, group, name, tags and job type, and
-    the artifacts it logged or used, so a comparison (and a later evaluation) can name the run without a W&B
-    server.
+    ``wandb_run.json`` beside them records the W&B run's id, project, group, name, tags and job type, the
+    artifacts it logged or used, and how each launch of it ended (``exits``: finished, or interrupted / preempted
+    at a step), so a comparison (and a later evaluation) can name the run without a W&B server.
+
+    ``resume_id``: continue that W&B run (``resume="allow"``: same id, its history goes on) instead of opening a
+    new one - what a training ``--resume`` passes. ``service``: :func:`start_detached_service`'s process.
     """
 
     def __init__(self, run_dir: str | Path, project: str, group: str | None, name: str | None,
                  config: dict, mode: str | None = None, job_type: str = "train",
-                 tags: list[str] | None = None) -> None:
+                 tags: list[str] | None = None, resume_id: str | None = None,
+                 service: subprocess.Popen | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.run = None
         self.record: dict[str, Any] = {}
+        self.wandb_error: str | None = None
+        self.own_service = False
         m = wandb_mode(mode)
         if m != "disabled":
             import wandb
 
+            _use_service(service)
+            self.own_service = service is not None and bool(os.environ.get(SERVICE_ENV))
             os.environ.setdefault("WANDB_DIR", str(self.dir))
+            resume = {"id": resume_id, "resume": "allow"} if resume_id else {}
             self.run = wandb.init(project=project, group=group, name=name, config=config, mode=m,
                                   job_type=job_type, dir=str(self.dir), reinit="finish_previous",
-                                  tags=list(tags or []))
+                                  tags=list(tags or []), **resume)
+            old = _read_record(self.dir) if resume_id else {}
             self.record = {"id": self.run.id, "project": project, "group": group, "name": name,
                            "job_type": job_type, "tags": list(tags or []), "mode": m,
                            "url": getattr(self.run, "url", None) if m == "online" else None,
-                           "artifacts_logged": [], "artifacts_used": []}
+                           "artifacts_logged": old.get("artifacts_logged", []),
+                           "artifacts_used": old.get("artifacts_used", []), "exits": old.get("exits", [])}
             self._write_record()
+            if self.record["exits"]:  # how earlier launches ended, in case W&B died with them (see _wandb)
+                self._wandb(lambda: self.run.summary.update({"exits": self.record["exits"]}))
+
+    def _wandb(self, call) -> bool:
+        """Run one W&B call. When the W&B service is gone - a preemption's SIGTERM reaches every process of the job,
+        and DeepSpeed's launcher terminates each rank's whole process tree, W&B's service included - training goes
+        on with the local record alone (metrics.jsonl, wandb_run.json); a finished run says so in one warning."""
+        if self.run is None:
+            return False
+        try:
+            call()
+            return True
+        except Exception as e:  # ConnectionResetError, BrokenPipeError, wandb.Error: whatever the dead service gives
+            self.wandb_error = f"{type(e).__name__}: {e}"
+            self.run = None
+            return False
 
     def _write_record(self) -> None:
         tmp = self.dir / f"{RUN_RECORD}.tmp-{os.getpid()}"
@@ -188,7 +295,9 @@ class Tracker(NullTracker):
         if self.run is None:
             return None
         name = adapter_artifact_name(self.run.id)
-        self.run.log_artifact(_adapter_artifact(adapter_dir, name, metadata))
+        run = self.run
+        if not self._wandb(lambda: run.log_artifact(_adapter_artifact(adapter_dir, name, metadata))):
+            return None
         self.record["artifacts_logged"].append(name)
         self._write_record()
         return name
@@ -200,7 +309,9 @@ class Tracker(NullTracker):
             return None
         name = adapter_artifact_name(training_run_id)
         if self.record.get("mode") == "online":
-            self.run.use_artifact(_adapter_artifact(adapter_dir, name))  # same files -> the logged version
+            run = self.run  # same files -> the logged version
+            if not self._wandb(lambda: run.use_artifact(_adapter_artifact(adapter_dir, name))):
+                return None
             self.record["artifacts_used"].append(name)
             self._write_record()
         return name
@@ -218,13 +329,46 @@ class Tracker(NullTracker):
         rec = _clean({"step": step, **metrics})
         with self.metrics_path.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
-        if self.run is not None:
-            self.run.log(metrics, step=step)
+        run = self.run
+        self._wandb(lambda: run.log(metrics, step=step))
+
+    def _exit(self, entry: dict) -> None:
+        import datetime as dt
+
+        self.record.setdefault("exits", []).append(entry | {"time": dt.datetime.now().isoformat(timespec="seconds")})
+        self._write_record()
+
+    def stop(self, step: int, state: str, signal: str, exit_code: int = 75) -> None:
+        """The launch ends early at ``step`` (``state`` interrupted / preempted): W&B marks the run preempting and
+        closes it with ``exit_code``; a resume continues it under the same id."""
+        if not self.record:
+            return
+        self._exit({"state": state, "step": step, "signal": signal, "exit_code": exit_code})
+        run = self.run
+
+        def close() -> None:
+            run.mark_preempting()
+            run.summary.update({"exit_state": state, "stopped_at_step": step, "stop_signal": signal})
+            run.finish(exit_code=exit_code)
+
+        self._wandb(close)
+        if self.own_service:
+            _stop_service()
 
     def finish(self, summary: dict[str, Any]) -> None:
         tmp = self.dir / "summary.json.tmp"
         tmp.write_text(json.dumps(_clean(summary), indent=2) + "\n")
         os.replace(tmp, self.dir / "summary.json")
-        if self.run is not None:
-            self.run.summary.update(summary)
-            self.run.finish()
+        if self.record:
+            self._exit({"state": "finished", "step": summary.get("steps"), "exit_code": 0})
+        run = self.run
+
+        def close() -> None:
+            run.summary.update(summary | {"exit_state": "finished"})
+            run.finish()
+
+        if self.record and not self._wandb(close):
+            print(f"warning: W&B stopped responding during the run ({self.wandb_error}); metrics.jsonl, summary.json "
+                  f"and {RUN_RECORD} hold everything", file=sys.stderr, flush=True)
+        if self.own_service:
+            _stop_service()

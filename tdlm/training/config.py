@@ -49,6 +49,9 @@ class TrainLoopConfig:
     grad_accum: int = 1
     max_steps: int = 750  # optimizer updates (paper: 750)
     save_every: int = 250  # checkpoint interval in updates (0 = only at the end)
+    # ... and in minutes of training (0 = off), so a hard crash loses at most this much; whichever comes first
+    save_every_minutes: float = 30.0
+    keep_last: int = 2  # checkpoints kept (older ones deleted once the new one verified; 0 = keep all)
     log_every: int = 1
     seed: int = 0
     zero_stage: int | None = None  # None = take the DS config's stage; a number must agree with it

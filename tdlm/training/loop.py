@@ -35,16 +35,30 @@ from tdlm.data.stream import TrajectoryStream, shard_paths, verify_manifest
 from tdlm.data.trajectories import IGNORE_INDEX, trajectory_loss
 from tdlm.errors import TDLMError
 from tdlm.temporal.model import TDLM, TemporalConfig
-from tdlm.tracking import NullTracker, Tracker, experiment_group, run_tags
+from tdlm.tracking import (
+    NullTracker,
+    Tracker,
+    experiment_group,
+    previous_run_id,
+    run_tags,
+    start_detached_service,
+    wandb_mode,
+)
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import prepare_jit_ops, resolve_ds_config, uses_activation_checkpointing
 from tdlm.training.run_dir import (
     CHECKPOINT_DIR,
+    STOP,
     RunLock,
+    Stopped,
     check_run_dir,
     finished_step,
     keep_old_config,
+    launcher_ancestors,
     newest_verified_tag,
+    rotate_checkpoints,
+    signal_name,
+    stop_verb,
     write_checksums,
 )
 
@@ -87,6 +101,11 @@ class Session:
     start_step: int = 0
     lock: RunLock | None = None
     allow_recipe_change: bool = False
+    # Counted before deepspeed.initialize: under ZeRO-3 a partitioned parameter's numel() is 0 afterwards (the W&B
+    # config once recorded temporal_parameters 0 for a 98,307-parameter adapter).
+    temporal_parameters: int = 0
+    saved_step: int | None = None  # the newest checkpoint on disk (no second save of the same step)
+    saved_at: float = 0.0  # time.monotonic() of that save (train.save_every_minutes)
 
 
 def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
@@ -131,6 +150,8 @@ def validate_run(run: RunConfig, source: str = "run config") -> None:
         ("train.grad_accum", t.grad_accum, t.grad_accum >= 1, ">= 1"),
         ("train.max_steps", t.max_steps, t.max_steps >= 1, ">= 1"),
         ("train.save_every", t.save_every, t.save_every >= 0, ">= 0 (0 = only at the end)"),
+        ("train.save_every_minutes", t.save_every_minutes, t.save_every_minutes >= 0, ">= 0 (0 = off)"),
+        ("train.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0 = keep every checkpoint)"),
         ("train.log_every", t.log_every, t.log_every >= 1, ">= 1"),
     ]
     for field, value, ok, want in checks:
@@ -224,9 +245,15 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
         lock = RunLock(run.output_dir)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     check_run_dir(run, resume, allow_recipe_change, world_env)
+    service = None  # rank 0 under a launcher: W&B's service outside the rank's process tree (start_detached_service)
+    if int(os.environ.get("RANK", "0")) == 0 and launcher_ancestors() and wandb_mode(run.wandb.mode) != "disabled":
+        service = start_detached_service()  # starts now, in the background; used once the W&B run opens
     ds_pre = preflight(run, ds_raw, world_env, on_gpu, source, ds_source)
     # No silent JIT build at process-group start, no endless wait on a stale build lock (ds_config.py).
     prepare_jit_ops(ds_pre, on_gpu, int(os.environ.get("RANK", "0")))
+    if STOP.requested:  # no process group yet to agree in, and nothing to save: each rank stops on its own
+        raise Stopped(f"{stop_verb(STOP.signum)} ({signal_name(STOP.signum)}) before the first update; nothing "
+                      f"saved; " + ("resume with --resume" if resume else "run the same command again"), None)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -248,6 +275,7 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     stream = TrajectoryStream(run.data.trajectories, backbone, run.data.states, run.train.micro_batch_size,
                               world, rank, run.data.seed, run.data.allow_foreign_backbone)
     params = [p for p in model.parameters() if p.requires_grad]
+    n_temporal = model.num_temporal_parameters()  # before ZeRO-3 partitions them (numel() 0 afterwards)
     o = run.optim
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=params, config=ds_cfg,
@@ -263,9 +291,11 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     out = Path(run.output_dir)
     tracker: NullTracker = NullTracker()
     sess = Session(run, ds_cfg, engine, model, stream, device, rank, world, tracker, lock=lock,
-                   allow_recipe_change=allow_recipe_change)
+                   allow_recipe_change=allow_recipe_change, temporal_parameters=n_temporal)
     if resume:
         sess.start_step = load_checkpoint(sess)
+        sess.saved_step = sess.start_step
+    sess.saved_at = time.monotonic()
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if resume and allow_recipe_change and (out / "run_config.json").exists():
@@ -277,22 +307,28 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
                                               "head_dim": model.config.head_dim, "world_size": world,
                                               "zero_stage": stage, "dtype": str(dtype),
                                               "activation_checkpointing": model.activation_checkpointing,
-                                              "temporal_parameters": model.num_temporal_parameters()}}
+                                              "temporal_parameters": n_temporal}}
         tags = run_tags(backbone.backbone_id or run.model.backbone, run.model.layers or model.layer_ids,
                         str(model.policy), run.wandb.tags)
         recipe = {k: v for k, v in to_dict(run).items() if k not in ("output_dir", "wandb")}
         group = experiment_group(run.wandb.group, source, recipe)  # not the folder name: "train" is everyone's
+        # A resume continues the interrupted W&B run (same id, resume="allow") rather than opening a second one.
+        previous = previous_run_id(out) if resume else None
         sess.tracker = Tracker(out, run.wandb.project, group, run.wandb.name, config,
-                               run.wandb.mode, tags=tags)
+                               run.wandb.mode, tags=tags, resume_id=previous, service=service)
         if resume:
             sess.tracker.truncate(sess.start_step)
+            wb = f"; W&B run {previous}" if previous else ""
+            print(f"resuming from step {sess.start_step} ({out / CHECKPOINT_DIR / f'step-{sess.start_step}'}{wb})",
+                  flush=True)
     return sess
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
 def save_checkpoint(sess: Session, step: int) -> None:
     """DeepSpeed checkpoint of the temporal modules + optimizer, with the data position (= step), then
-    SHA256SUMS.json over all its files once every rank has written its part (collective)."""
+    SHA256SUMS.json over all its files once every rank has written its part (collective); rank 0 then verifies it
+    and only then deletes the checkpoints beyond ``train.keep_last``."""
     import torch.distributed as dist
 
     ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
@@ -302,7 +338,9 @@ def save_checkpoint(sess: Session, step: int) -> None:
     dist.barrier()
     if sess.rank == 0:
         write_checksums(ckpt / tag)
+        rotate_checkpoints(ckpt, tag, sess.run.train.keep_last)
     dist.barrier()
+    sess.saved_step, sess.saved_at = step, time.monotonic()
 
 
 def load_checkpoint(sess: Session) -> int:
@@ -330,6 +368,37 @@ def load_checkpoint(sess: Session) -> int:
                 raise TDLMError(f"--resume: run config section '{section}' differs from the checkpoint's "
                                 f"({ckpt / choice[0]}); resume with the same model and data settings")
     return int(client["step"])
+
+
+# -- stopping at the update boundary ---------------------------------------------------------------
+def agree_to_stop(sess: Session) -> tuple[int, bool]:
+    """One all-reduce (MAX) between updates: the stop signal any rank received (0 = none) and whether rank 0's clock
+    says a timed checkpoint is due (``train.save_every_minutes``). Each rank decides from the same result, so none
+    stops, checkpoints or waits alone."""
+    import torch.distributed as dist
+
+    minutes = sess.run.train.save_every_minutes
+    due = sess.rank == 0 and minutes > 0 and time.monotonic() - sess.saved_at >= minutes * 60
+    flags = torch.tensor([float(STOP.signum or 0), float(due)], device=sess.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return int(flags[0].item()), bool(flags[1].item())
+
+
+def stop_at_boundary(sess: Session, step: int, signum: int, bar=None) -> None:
+    """Every rank: checkpoint ``step`` (unless it is the one on disk), record the exit in W&B (rank 0), then raise
+    :class:`Stopped` with the one line rank 0 prints (launcher/train.py exits with EXIT_PREEMPTED)."""
+    import torch.distributed as dist
+
+    if sess.saved_step != step:
+        save_checkpoint(sess, step)
+    if bar is not None:
+        bar.close()
+    verb, name = stop_verb(signum), signal_name(signum)
+    tag_dir = Path(sess.run.output_dir) / CHECKPOINT_DIR / f"step-{step}"
+    if sess.rank == 0:
+        sess.tracker.stop(step, verb, name)
+    dist.barrier()  # no rank exits (and has its launcher terminate rank 0) while rank 0 still closes the W&B run
+    raise Stopped(f"{verb} at step {step} ({name}; checkpoint {tag_dir}); resume with --resume", step)
 
 
 # -- the step --------------------------------------------------------------------------------------
@@ -470,21 +539,28 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
     last: dict = {}
     t_start = time.perf_counter()
     tokens_seen = 0
-    for step in range(sess.start_step, total):
-        metrics = train_step(sess, step)
-        tokens_seen += metrics["supervised_tokens"]
-        last = metrics
-        done = step + 1
-        if done % run.train.log_every == 0 or done == total:
-            sess.tracker.log(metrics, done)
+    try:
+        for step in range(sess.start_step, total):
+            signum, timed = agree_to_stop(sess)  # the update boundary: every rank takes the same decision here
+            if signum:
+                stop_at_boundary(sess, step, signum, bar)
+            if timed and sess.saved_step != step:
+                save_checkpoint(sess, step)
+            metrics = train_step(sess, step)
+            tokens_seen += metrics["supervised_tokens"]
+            last = metrics
+            done = step + 1
+            if done % run.train.log_every == 0 or done == total:
+                sess.tracker.log(metrics, done)
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.update(1)
+            if run.train.save_every and done % run.train.save_every == 0 and done != total:
+                save_checkpoint(sess, done)
+    finally:
         if bar is not None:
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                            tok_s=f"{metrics['tokens_per_s']:.0f}")
-            bar.update(1)
-        if run.train.save_every and done % run.train.save_every == 0 and done != total:
-            save_checkpoint(sess, done)
-    if bar is not None:
-        bar.close()
+            bar.close()
     save_checkpoint(sess, total)
     adapter_dir = Path(run.output_dir) / "adapter"
     export_adapter(sess, adapter_dir)
@@ -503,7 +579,7 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
             "supervised_tokens": tokens_seen,
             "wall_s": time.perf_counter() - t_start,
             "peak_mem_mb": last.get("peak_mem_mb"),
-            "temporal_parameters": sess.model.num_temporal_parameters(),
+            "temporal_parameters": sess.temporal_parameters,
             "layers": sess.model.layer_ids,
             "world_size": sess.world,
             "zero_stage": int(sess.ds_config["zero_optimization"].get("stage", 0)),
@@ -511,7 +587,7 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
             "config": dataclasses.asdict(run),
         }
         artifact = sess.tracker.log_adapter(adapter_dir, metadata={
-            "layers": sess.model.layer_ids, "temporal_parameters": sess.model.num_temporal_parameters(),
+            "layers": sess.model.layer_ids, "temporal_parameters": sess.temporal_parameters,
             "history": str(sess.model.policy), "backbone": sess.model.backbone.backbone_id, "steps": total})
         if artifact:
             summary["adapter_artifact"] = artifact

@@ -212,6 +212,86 @@ def newest_verified_tag(ckpt_dir: Path) -> str:
     raise TDLMError(f"--resume: no complete checkpoint in {ckpt_dir} (nothing to resume)")
 
 
+def rotate_checkpoints(ckpt_dir: Path, newest: str, keep_last: int) -> list[str]:
+    """Verify the checkpoint just written, then delete all but the ``keep_last`` newest ``step-N`` folders
+    (0 = keep every one). Never deletes anything when the new one does not verify: the older ones are then the
+    only resumable state. Returns the deleted tag names."""
+    import shutil
+
+    verify_checksums(ckpt_dir / newest)
+    if keep_last <= 0:
+        return []
+    tags = sorted(((int(m.group(1)), p) for p in ckpt_dir.glob("step-*")
+                   if p.is_dir() and (m := TAG_RE.match(p.name))), reverse=True)  # fmt: skip
+    gone = []
+    for _, tag_dir in tags[keep_last:]:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        gone.append(tag_dir.name)
+    latest = ckpt_dir / "latest"  # DeepSpeed's pointer file: keep it naming a tag that exists
+    if latest.exists() and latest.read_text().strip() in gone:
+        latest.write_text(newest)
+    return gone
+
+
+# -- stopping: Ctrl-C, preemption -------------------------------------------------------------------
+# Exit codes of launcher/train.py (and of each rank under deepspeed / torchrun). EX_TEMPFAIL (sysexits.h) for
+# "stopped at a verified checkpoint": a Slurm requeue script resubmits with --resume on exactly this code.
+EXIT_OK = 0
+EXIT_FAILED = 1  # anything unexpected (a traceback)
+EXIT_BAD_INPUT = 2  # a one-line config / input error, before any work
+EXIT_PREEMPTED = 75  # SIGINT, SIGTERM or SIGUSR1: checkpoint saved (or nothing to save yet); resume with --resume
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """The first of SIGINT / SIGTERM / SIGUSR1 this rank received. The handler only records it: the training
+    loop asks every rank at each update boundary (:func:`tdlm.training.loop.agree_to_stop`, one all-reduce), so the
+    ranks stop after the same update, checkpoint together and exit, instead of one rank dying inside a gloo
+    collective and its peers hanging or tracing back."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def handler(self, signum: int, frame: object = None) -> None:
+        if self.signum is None:  # Ctrl-C under deepspeed: SIGINT, then the launcher's SIGTERM; the first counts
+            self.signum = signum
+
+    def install(self, pending: int | None = None) -> StopRequest:
+        """Take over the stop signals (main thread only); ``pending`` = a signal caught before this was possible."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, self.handler)
+        if pending is not None:
+            self.handler(pending)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+STOP = StopRequest()  # one per process: signal handlers are per process
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def stop_verb(signum: int) -> str:
+    """SIGINT is the user's Ctrl-C (interrupted); SIGTERM / SIGUSR1 come from a scheduler (preempted)."""
+    return "interrupted" if signum == signal.SIGINT else "preempted"
+
+
+class Stopped(Exception):
+    """Raised on every rank when the ranks agreed to stop; ``message`` is the one line rank 0 prints."""
+
+    def __init__(self, message: str, step: int | None) -> None:
+        super().__init__(message)
+        self.message, self.step = message, step
+
+
 # -- the launcher's life ---------------------------------------------------------------------------
 LAUNCHERS = ("deepspeed", "torchrun", "torch.distributed.run", "torch/distributed/run", "torch.distributed.launch")
 
@@ -244,13 +324,14 @@ def launcher_ancestors() -> list[tuple[int, str, str]]:
     return out
 
 
-def stop_with_launcher(interval: float = 1.0) -> threading.Thread | None:
+def stop_with_launcher(interval: float = 1.0, grace_s: float = 300.0) -> threading.Thread | None:
     """When any launcher process above this rank dies (killed alone), end this rank too.
 
     A rank's direct parent is DeepSpeed's per-node ``launch.py`` or torchrun's agent; killing the
     ``deepspeed`` runner above it leaves that parent alive, so a watcher checks the whole chain (pid and
     start time, so a reused pid does not count as alive). The parent's death also arrives as SIGTERM
-    (PR_SET_PDEATHSIG).
+    (PR_SET_PDEATHSIG). Either way the rank stops as if preempted (checkpoint, exit :data:`EXIT_PREEMPTED`); a rank
+    still alive ``grace_s`` later is ended with ``os._exit(1)``.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -271,8 +352,10 @@ def stop_with_launcher(interval: float = 1.0) -> threading.Thread | None:
                 if info is None or info[1] != start:
                     print(f"error: launcher process {pid} ({cmd.strip()[:80]}) is gone; stopping rank "
                           f"{os.environ.get('RANK', '?')}", file=sys.stderr, flush=True)
+                    # SIGTERM is a stop request (StopRequest): the ranks agree at the next update boundary and
+                    # checkpoint. The hard exit only ends a rank that cannot get there (a peer died mid-collective).
                     os.kill(os.getpid(), signal.SIGTERM)
-                    time.sleep(10)
+                    time.sleep(grace_s)
                     os._exit(1)
             time.sleep(interval)
 

@@ -1,0 +1,120 @@
+"""First contact with the training launcher under a real ``deepspeed --num_gpus 2`` launch: an input error is one
+line, printed once (by rank 0), before any process group or DeepSpeed engine exists; checkpoint rotation and the
+stop request in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tdlm.errors import TDLMError
+from tdlm.training.ds_config import load_ds_json
+from tdlm.training.run_dir import STOP_SIGNALS, SUMS, StopRequest, rotate_checkpoints, write_checksums
+
+REPO = Path(__file__).resolve().parents[1]
+Z3 = REPO / "ds_configs" / "zero3.json"
+
+
+def _deepspeed(tmp: Path, name: str, *args: str) -> subprocess.Popen:
+    env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu",
+                        "PYTHONUNBUFFERED": "1"}
+    port = str(29100 + (os.getpid() + len(name)) % 300)
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", port,
+           str(REPO / "launcher" / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"),
+           "--output-dir", str(tmp / name), *args]
+    return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_deepspeed_launch_reports_an_input_error_once_before_any_process_group(tmp_path):
+    """A DS JSON typo and a bad run-config field, each under `deepspeed --num_gpus 2` (both launches at once, to keep
+    the suite short): the one-line error appears once - rank 0's -, no rank prints a traceback or starts a process
+    group, and the command exits with status 2."""
+    raw = load_ds_json(Z3)
+    raw["zero_optimisation"] = raw.pop("zero_optimization")
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps(raw))
+    cases = {
+        "ds": (["--ds", str(typo)],
+               f"error: {typo}: unknown DeepSpeed key 'zero_optimisation'; did you mean 'zero_optimization'?"),
+        "field": (["--ds", str(Z3), "optim.beta1=1.5"],
+                  f"error: {REPO / 'configs' / 'tiny.yaml'}: optim.beta1 must be in [0, 1); got 1.5"),
+    }
+    procs = {name: _deepspeed(tmp_path, name, *args) for name, (args, _) in cases.items()}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        want = cases[name][1]
+        assert proc.returncode == 2, out[-3000:]
+        ours = [line for line in out.splitlines() if not line.startswith("[20")]  # DeepSpeed's runner's own lines
+        errors = [line for line in ours if "error:" in line]
+        assert errors == [want], out[-3000:]  # once: rank 1 kept its copy to itself
+        assert "Traceback" not in out and "rank 1:" not in out, out[-3000:]
+        # no process group, no engine: nothing of torch.distributed / DeepSpeed's initialisation ran on a rank
+        assert "Initializing TorchBackend" not in out and "DeepSpeed info" not in out, out[-3000:]
+        assert not (tmp_path / name / "run_config.json").exists()
+
+
+def _tag(ckpt: Path, step: int) -> Path:
+    d = ckpt / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(f"weights {step}".encode())
+    write_checksums(d)
+    return d
+
+
+def test_rotation_keeps_the_newest_and_deletes_only_after_the_new_one_verified(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    for s in (8, 16):
+        _tag(ckpt, s)
+    (ckpt / "latest").write_text("step-16")
+    new = _tag(ckpt, 24)
+    (new / "mp_rank_00_model_states.pt").write_bytes(b"weights 99")  # same size, other bytes: does not verify
+    with pytest.raises(TDLMError, match="sha256"):
+        rotate_checkpoints(ckpt, "step-24", keep_last=2)
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-16", "step-24", "step-8"]  # nothing deleted
+    (new / "mp_rank_00_model_states.pt").write_bytes(b"weights 24")
+    assert rotate_checkpoints(ckpt, "step-24", keep_last=2) == ["step-8"]
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-16", "step-24"]
+    _tag(ckpt, 32)
+    (ckpt / "latest").write_text("step-16")
+    assert rotate_checkpoints(ckpt, "step-32", keep_last=1) == ["step-24", "step-16"]
+    assert (ckpt / "latest").read_text() == "step-32" and (ckpt / "step-32" / SUMS).exists()
+    _tag(ckpt, 40)
+    assert rotate_checkpoints(ckpt, "step-40", keep_last=0) == []  # 0 = keep all
+
+
+def test_stop_request_records_the_first_signal_only():
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        stop = StopRequest().install()
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+        os.kill(os.getpid(), signal.SIGTERM)  # what DeepSpeed's launch.py sends after a Ctrl-C
+        time.sleep(0.05)
+        assert stop.requested and stop.signum == signal.SIGUSR1
+        assert StopRequest().install(pending=signal.SIGINT).signum == signal.SIGINT  # caught during the imports
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def test_run_config_checks_the_checkpoint_fields():
+    from tdlm.config import from_dict
+    from tdlm.training import validate_run
+    from tdlm.training.config import RunConfig
+
+    for field, value, want in (("save_every_minutes", -1, ">= 0 (0 = off)"),
+                               ("keep_last", -2, ">= 0 (0 = keep every checkpoint)")):
+        run = from_dict(RunConfig, {"train": {field: value}}, "x.yaml")
+        with pytest.raises(TDLMError, match=rf"x.yaml: train.{field} must be {want}".replace("(", r"\(")
+                           .replace(")", r"\)")):
+            validate_run(run, "x.yaml")
