@@ -20,43 +20,14 @@ Errors print one line and exit with status 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from tdlm.errors import TDLMError
-from tdlm.evaluation.metrics import compute_speedups
-from tdlm.evaluation.report import load_runs, render
-from tdlm.sweep.table import is_sweep_dir, table4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout run without the editable install
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Render Table 1/2/4-shaped Markdown tables from evaluation summaries.")
-    p.add_argument("paths", nargs="+", help="evaluation output dirs, run dirs, summary.json files or sweep folders")
-    p.add_argument("--reference-tau", type=float, default=0.9,
-                   help="tau of the threshold run used for the 'vs threshold' speedup (default: 0.9)")  # fmt: skip
-    p.add_argument("--markdown", help="also write the tables to this file")
-    p.add_argument("--plots-dir", help="also write pareto_<task>.png plots of all runs to this folder")
-    args = p.parse_args(argv)
-    try:
-        sweeps = [path for path in args.paths if is_sweep_dir(path)]
-        paths = [path for path in args.paths if path not in sweeps]
-        for sweep in sweeps:  # a sweep's evaluations: eval/baselines and eval/<allocation>
-            paths += [str(d) for d in sorted(Path(sweep).glob("eval/*")) if (d / "runs").is_dir()]
-        runs = compute_speedups(load_runs(paths), args.reference_tau) if paths else []
-        table = "".join(table4(sweep) + "\n" for sweep in sweeps) + render(runs)
-        if args.markdown:
-            Path(args.markdown).write_text(table)
-        if args.plots_dir:
-            from tdlm.evaluation.plot import plot_all
-
-            plot_all(runs, args.plots_dir)
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(table, end="")
-    return 0
-
+# The command line lives in the library (tdlm.sweep.cli: it reads sweep folders too), as the console script
+# tdlm-compare.
+from tdlm.sweep.cli import compare_main as main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,11 +20,13 @@ Settings split in two, as in :mod:`tdlm.generation.config`:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
 from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
@@ -268,3 +270,51 @@ def expand(cfg: EvalConfig) -> list[RunSpec]:
     if len(set(names)) != len(names):
         raise TDLMError(f"two runs share a name in {names}; give adapters distinct labels (LABEL=DIR)")
     return runs
+
+
+# -- the command line: eval/run.py and the console script tdlm-eval ----------------------------------------------
+# How the EvalConfig fields appear on the command line; the help of every flag is the field's own comment above, so
+# a field added to EvalConfig gets a flag without an edit here (tests/test_first_contact.py pins field <-> flag).
+# Only names, choices and groups that the fields cannot say themselves are listed.
+MODEL, TASKS, GRID, RUN, SCORING, OUTPUT = ("model", "tasks", "decoding grid", "measurement and workers", "scoring",
+                                            "output and tracking")
+FLAGS: dict[str, Flag] = {
+    "backbone": Flag(group=MODEL), "adapters": Flag(name="--adapter", metavar="[LABEL=]DIR", extend=True, group=MODEL),
+    "dtype": Flag(choices=DTYPES, group=MODEL), "allow_other_backbone": Flag(group=MODEL),
+    "device": Flag(group=MODEL),
+    "tasks": Flag(choices=TASK_NAMES, group=TASKS), "limit": Flag(group=TASKS), "data_dir": Flag(group=TASKS),
+    "chat": Flag(name="--no-chat", negate=True, group=TASKS),
+    "policies": Flag(choices=POLICIES, group=GRID), "thresholds": Flag(group=GRID),
+    "tdlm_thresholds": Flag(group=GRID), "entropy_thresholds": Flag(group=GRID),
+    "histories": Flag(name="--history", group=GRID), "caches": Flag(name="--cache", choices=CACHE_MODES, group=GRID),
+    "cache_policies": Flag(choices=POLICIES, group=GRID), "gen_length": Flag(group=GRID),
+    "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID),
+    **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
+                                    "max_task_retries", "max_shard_attempts")},
+    **{k: Flag(group=SCORING) for k in ("score_workers", "code_timeout_s", "code_cpu_s", "allow_weak_sandbox")},
+    **{k: Flag(group=OUTPUT) for k in ("output_dir", "group", "project", "tags", "reference_tau")},
+    "wandb_mode": Flag(choices=("online", "offline", "disabled"), group=OUTPUT),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Every flag defaults to None so that a --config file's values survive unless the flag is given;
+    # the real defaults live in EvalConfig and are shown in the help.
+    p = SuggestingParser(
+        description="Decode every problem of the chosen tasks once per run of the grid (policy x tau x adapter "
+        "x history), score it, and write per-sample JSONL, summary.json, table.md and Pareto plots.",
+    )
+    p.add_argument("--config", help="YAML file of EvalConfig fields (configs/eval_*.yaml); flags override it")
+    add_dataclass_flags(p, EvalConfig, FLAGS, dict.fromkeys((MODEL, TASKS, GRID, RUN, SCORING, OUTPUT)))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> EvalConfig:
+    args = vars(build_parser().parse_args(argv))
+    path = args.pop("config")
+    raw = load_yaml(path)
+    raw.update({k: v for k, v in args.items() if v is not None})
+    for name in ("backbone", "output_dir"):
+        if not raw.get(name):
+            raise TDLMError(f"--{name.replace('_', '-')} is required (or set {name} in --config)")
+    return from_dict(EvalConfig, raw, str(path) if path else "arguments")

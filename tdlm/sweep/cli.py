@@ -47,6 +47,17 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return ap
 
 
+def check_checkout() -> None:
+    """Trials run the training launcher of a tdlm checkout (``launcher/train.py``, which ``deepspeed`` needs as a
+    file); the console script of a non-editable install has none: say so in one line before anything starts."""
+    from tdlm.errors import TDLMError
+    from tdlm.sweep.trial import REPO
+
+    if not (REPO / "launcher" / "train.py").is_file():
+        raise TDLMError(f"no launcher/train.py in {REPO}: sweeps train through the launcher of a tdlm checkout; run "
+                        f"them from a clone with an editable install (make venv)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from tdlm.errors import TDLMError
     from tdlm.sweep.config import load_sweep_config
@@ -66,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides.remove(picked[0])
             allocation = picked[0].split("=", 1)[1]
         cfg = load_sweep_config(args.config, overrides)
+        if args.cmd != "wandb-file":
+            check_checkout()
         if args.cmd == "wandb-file":
             text = write_wandb_file(cfg, args.config, args.output, overrides)
             if not args.output:
@@ -77,3 +90,40 @@ def main(argv: list[str] | None = None) -> int:
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+
+
+def compare_main(argv: list[str] | None = None) -> int:
+    """``eval/compare.py`` / ``tdlm-compare``: Table 1/2/4-shaped tables (and plots) from evaluation summaries and
+    sweep folders; see eval/compare.py's docstring for the commands."""
+    from pathlib import Path
+
+    from tdlm.errors import TDLMError
+    from tdlm.evaluation.metrics import compute_speedups
+    from tdlm.evaluation.report import load_runs, render
+    from tdlm.sweep.table import is_sweep_dir, table4
+
+    p = SuggestingParser(description="Render Table 1/2/4-shaped Markdown tables from evaluation summaries.")
+    p.add_argument("paths", nargs="+", help="evaluation output dirs, run dirs, summary.json files or sweep folders")
+    p.add_argument("--reference-tau", type=float, default=0.9,
+                   help="tau of the threshold run used for the 'vs threshold' speedup (default: 0.9)")  # fmt: skip
+    p.add_argument("--markdown", help="also write the tables to this file")
+    p.add_argument("--plots-dir", help="also write pareto_<task>.png plots of all runs to this folder")
+    args = p.parse_args(argv)
+    try:
+        sweeps = [path for path in args.paths if is_sweep_dir(path)]
+        paths = [path for path in args.paths if path not in sweeps]
+        for sweep in sweeps:  # a sweep's evaluations: eval/baselines and eval/<allocation>
+            paths += [str(d) for d in sorted(Path(sweep).glob("eval/*")) if (d / "runs").is_dir()]
+        runs = compute_speedups(load_runs(paths), args.reference_tau) if paths else []
+        table = "".join(table4(sweep) + "\n" for sweep in sweeps) + render(runs)
+        if args.markdown:
+            Path(args.markdown).write_text(table)
+        if args.plots_dir:
+            from tdlm.evaluation.plot import plot_all
+
+            plot_all(runs, args.plots_dir)
+    except TDLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table, end="")
+    return 0

@@ -15,6 +15,9 @@ from tdlm.config import apply_overrides, check_override_keys, from_dict, load_ya
 from tdlm.errors import TDLMError
 from tdlm.training.config import RunConfig
 
+SWEEP_RECORD = "sweep.json"  # in output_dir: the sweep's settings, trajectories and seeds (tdlm.sweep.trial)
+TRIAL_RECORD = "trial.json"  # in output_dir/trials/<slug>/
+
 # Table 4 of the paper (LLaDA-8B, 32 layers): 8 dispersed, 16 middle, 16 dispersed (main), 32 all.
 TABLE4 = ["dispersed:8", "middle:16", "dispersed:16", "all"]
 

@@ -10,8 +10,7 @@ import os
 from pathlib import Path
 
 from tdlm.errors import TDLMError
-from tdlm.sweep.config import label, slug
-from tdlm.sweep.trial import SWEEP_RECORD, TRIAL_RECORD
+from tdlm.sweep.config import SWEEP_RECORD, TRIAL_RECORD, label, slug
 
 TITLES = {"gsm8k": "GSM8K", "math500": "MATH-500", "mbpp": "MBPP", "arith": "Arith"}
 

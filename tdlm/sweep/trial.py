@@ -40,11 +40,9 @@ from pathlib import Path
 
 from tdlm.config import to_dict
 from tdlm.errors import TDLMError
-from tdlm.sweep.config import AllocationPlan, SweepConfig, base_run, plan
+from tdlm.sweep.config import SWEEP_RECORD, TRIAL_RECORD, AllocationPlan, SweepConfig, base_run, plan
 
 REPO = Path(__file__).resolve().parents[2]
-SWEEP_RECORD = "sweep.json"
-TRIAL_RECORD = "trial.json"
 BASELINES = "baselines"
 AGENT_ENV = ("WANDB_RUN_ID", "WANDB_SWEEP_ID", "WANDB_SWEEP_PARAM_PATH")  # set by `wandb agent` for its run
 
