@@ -115,14 +115,12 @@ def check_tasks(args: list[str]) -> None:
     if tasks is None:
         return
     inc = _value(args, "--include_path")
-    dirs = [str(Path(lm_eval.__file__).parent / "tasks"), tdlm.harness.TASKS_DIR]
-    if inc is not None:
-        dirs += [p for p in inc[2].split(os.pathsep) if p]
+    ours = [tdlm.harness.TASKS_DIR, *([p for p in inc[2].split(os.pathsep) if p] if inc is not None else [])]
     wanted = [t.strip() for t in tasks[2].split(",") if t.strip()]
-    unknown = [t for t in wanted if not Path(t).exists()]
-    if not unknown:
+    unknown = [t for t in wanted if not Path(t).exists() and t not in task_names(tuple(ours))]
+    if not unknown:  # the shipped / included tasks: a few files, no need to read lm-eval's
         return
-    known = task_names(tuple(dirs))
+    known = task_names(tuple(ours)) | task_names((str(Path(lm_eval.__file__).parent / "tasks"),))
     missing = [t for t in unknown if t not in known]
     if missing:
         raise TDLMError(_unknown_message(missing, known))
@@ -156,12 +154,15 @@ def prepare(args: list[str]) -> list[str]:
     text = "" if margs is None else margs[2]
     parsed = simple_parse_args_string(text)
     cfg = parse_model_args(parsed)  # raises one line naming the key or the bad value
-    from tdlm.models.loading import load_backbone_meta
+    from tdlm.models.loading import PRESETS, SHIPPED, load_backbone_meta
 
-    try:  # a config read, no weights: a missing backbone is named before lm-eval starts
-        load_backbone_meta(cfg.pretrained)
-    except TDLMError as e:
-        raise TDLMError(f"--model_args pretrained={cfg.pretrained}: {e}") from None
+    shipped = cfg.pretrained in PRESETS or (cfg.pretrained in SHIPPED and (SHIPPED[cfg.pretrained] /
+                                                                           "config.json").is_file())
+    if not shipped:  # a config read, no weights: a missing backbone is named before lm-eval starts
+        try:
+            load_backbone_meta(cfg.pretrained)
+        except TDLMError as e:
+            raise TDLMError(f"--model_args pretrained={cfg.pretrained}: {e}") from None
     if "backbone" in parsed and margs is not None:  # the harness names the output folder after pretrained=
         text = ",".join(f"pretrained={v}" if k == "backbone" else f"{k}={v}"
                         for k, v in (item.split("=", 1) for item in text.split(",") if item))
