@@ -145,6 +145,94 @@ def test_config_validation(tmp_path, prompt_file):
         make_cfg(tmp_path, prompt_file, gen_length=12).validate()
     with pytest.raises(TDLMError, match="shard_size must be >= 1"):
         make_cfg(tmp_path, prompt_file, shard_size=0).validate()
+    for tau in (-0.1, 0.0, 1.5, float("nan")):
+        with pytest.raises(TDLMError, match=r"threshold \(--tau\) must be in \(0, 1\]"):
+            make_cfg(tmp_path, prompt_file, threshold=tau).validate()
+    make_cfg(tmp_path, prompt_file, threshold=1.0).validate()
+    for h in (0.0, -1.0, float("inf")):
+        with pytest.raises(TDLMError, match=r"entropy_threshold \(--entropy-threshold, H\) must be a positive"):
+            make_cfg(tmp_path, prompt_file, policy="entropy", entropy_threshold=h).validate()
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """The Hub unreachable (HF_ENDPOINT on a closed local port), and whatever hub_offline() switches restored."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: a connect is refused at once
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", huggingface_hub.constants.HF_HUB_OFFLINE)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", datasets.config.HF_DATASETS_OFFLINE)
+    yield
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--tau", "-0.1"], "threshold (--tau) must be in (0, 1]; got -0.1"),
+    (["--policy", "entropy", "--entropy-threshold", "0"], "entropy_threshold (--entropy-threshold, H) must be"),
+    (["--backbone", "no-such-backbone"], "unknown backbone 'no-such-backbone'"),
+    (["--backbone", "GSAI-ML/LLaDA-8B-Instruct", "--prompts", "openai/gsm8k"],
+     "unknown backbone 'GSAI-ML/LLaDA-8B-Instruct'"),  # no Hub: the missing backbone is named, not the dataset
+    (["--prompts", "tdlm-test/no-such-dataset"], "the Hugging Face Hub cannot be reached"),
+], ids=["tau", "H", "backbone", "hub-backbone", "hub-prompts"])
+def test_cli_checks_input_before_anything_starts(tmp_path, prompt_file, capsys, no_hub, argv, named):
+    """Each fault: one line naming it, exit status 2, within seconds, no Ray, no output folder (not even .lock),
+    no Hub retry lines."""
+    main = runpy.run_path(str(SCRIPT))["main"]
+    out = tmp_path / "traj"
+    base = {"--backbone": "tiny-llada", "--prompts": str(prompt_file), "--num-prompts": str(N_PROMPTS),
+            "--gen-length": "16", "--block-size": "8", "--output-dir": str(out)}
+    flags = dict(zip(argv[::2], argv[1::2], strict=True))
+    args = [x for k, v in (base | flags).items() for x in (k, v)]
+    t0 = time.monotonic()
+    assert main(args) == 2
+    elapsed = time.monotonic() - t0
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("error: ") and named in err and "\n" not in err, err
+    assert "Retrying" not in captured.out + captured.err and not out.exists()
+    assert elapsed < 20, elapsed  # one TCP connect at most (measured: well under a second each)
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_replica_reports_progress_per_batch(prompt_file, monkeypatch):
+    """progress() says how far run_shard is, batch by batch (the driver polls it from a second actor thread)."""
+    import tdlm.generation.worker as worker_mod
+
+    seen = []
+    worker = ShardWorker(WorkerSpec("tiny-llada", {"gen_length": 16, "block_size": 8}, batch_size=3))
+    real = worker_mod.decode
+
+    def spy(*a, **kw):
+        seen.append(worker.progress())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(worker_mod, "decode", spy)
+    ps = load_prompts(PromptSource(str(prompt_file), "question", limit=N_PROMPTS))
+    assert worker.progress() is None
+    worker.run_shard(ShardTask(5, [p.source_id for p in ps], [p.text for p in ps]))
+    assert seen == [(5, 0), (5, 3), (5, 6)] and worker.progress() is None
+
+
+def test_progress_line_counts_prompts_of_running_shards():
+    from tdlm.generation.driver import Progress
+
+    p = Progress(total=256, done=0, interval=1e9)
+    p.start()
+    assert p.line().startswith("progress 0/256 prompts (0.0%) | - traj/s | ETA ?")
+    p.partial({0: 16, 1: 32})  # two shards in flight, 3 and 2 decode batches done
+    assert p.line().startswith("progress 48/256 prompts (18.8%)") and "ETA ?" not in p.line()
+    p.add(48, shard=1)  # shard 1 written (48 prompts): its partial count is replaced by the real one
+    assert p.line().startswith("progress 64/256 prompts (25.0%)")
 
 
 def test_replica_with_adapter_equals_decode(tmp_path, prompt_file):
@@ -362,6 +450,21 @@ def test_two_actors_equal_single_process_decode(ray_cluster, tmp_path, prompt_fi
     assert m["nfe"]["mean"] == pytest.approx(sum(nfe) / len(nfe)) and m["nfe"]["max"] == max(nfe)
     assert m["runs"][-1]["replicas"] == 2 and len({e["worker"]["pid"] for e in m["shards"].values()}) == 2
     assert records[0].backbone_id == "tiny-llada" and records[0].decode_settings == cfg.decode_config().to_dict()
+
+
+@pytest.mark.slow
+def test_progress_moves_per_decode_batch(ray_cluster, tmp_path, prompt_file, caplog):
+    """One shard of 8 prompts, decoded one prompt per batch: the progress lines count prompts inside the running
+    shard (they once stayed at 0 until the whole shard was written)."""
+    import re
+
+    cfg = make_cfg(tmp_path / "traj", prompt_file, shard_size=N_PROMPTS, batch_size=1, actors=1, gen_length=64,
+                   log_interval=0.2)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="tdlm.generation"):
+        generate(cfg)
+    counts = {int(m.group(1)) for m in re.finditer(rf"progress (\d+)/{N_PROMPTS} prompts", caplog.text)}
+    assert counts & set(range(1, N_PROMPTS)), sorted(counts)
+    assert_complete(tmp_path / "traj", cfg)
 
 
 @pytest.mark.slow

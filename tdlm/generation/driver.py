@@ -2,9 +2,11 @@
 
 Recipe of :func:`generate`:
 
-1. validate the config, load the prompts, refuse evaluation problems among them unless
-   ``allow_eval_prompts`` (:mod:`tdlm.data.contamination`: by source name, then by prompt hash),
-   fingerprint backbone/adapter where the driver can see them (:func:`prepare`);
+1. validate the config (tau in (0, 1], H > 0, ...), check that the backbone and adapter resolve on this machine
+   and, for Hub prompts, that the Hub answers (else offline: local cache only, no retries), load the prompts,
+   refuse evaluation problems among them unless ``allow_eval_prompts`` (:mod:`tdlm.data.contamination`: by
+   source name, then by prompt hash), fingerprint backbone/adapter (:func:`prepare`); all before any folder is
+   made or Ray starts;
 2. lock and check the output dir (:meth:`ShardStore.open`): refuse changed settings or bad files,
    adopt a complete shard written just before a kill, list the shards left to do (nothing left:
    return without starting Ray);
@@ -126,6 +128,7 @@ class Progress:
 
     def __init__(self, total: int, done: int, interval: float) -> None:
         self.total, self.done, self.base = total, done, done
+        self.inflight: dict[int, int] = {}  # shard -> prompts decoded in it so far (replicas' decode batches)
         self.interval = interval
         self.t0: float | None = None  # set when the first shard is handed out (after replica start-up)
         self.last = time.monotonic()
@@ -139,22 +142,35 @@ class Progress:
         if self.t0 is None:
             self.t0 = time.monotonic()
 
+    def shown(self) -> int:
+        return self.done + sum(self.inflight.values())
+
     def rate(self) -> float | None:
-        if self.t0 is None or self.done == self.base:
+        if self.t0 is None or self.shown() == self.base:
             return None
-        return (self.done - self.base) / max(time.monotonic() - self.t0, 1e-9)
+        return (self.shown() - self.base) / max(time.monotonic() - self.t0, 1e-9)
 
     def line(self, extra: str = "") -> str:
-        rate = self.rate()
-        eta = "?" if not rate else str(dt.timedelta(seconds=round((self.total - self.done) / rate)))
-        pct = 100.0 * self.done / self.total
+        rate, shown = self.rate(), self.shown()
+        eta = "?" if not rate else str(dt.timedelta(seconds=round((self.total - shown) / rate)))
+        pct = 100.0 * shown / self.total
         speed = f"{rate:.2f} traj/s" if rate else "- traj/s"
-        return f"progress {self.done}/{self.total} prompts ({pct:.1f}%) | {speed} | ETA {eta}{extra}"
+        return f"progress {shown}/{self.total} prompts ({pct:.1f}%) | {speed} | ETA {eta}{extra}"
 
-    def add(self, n: int, extra: str = "") -> None:
-        self.done += n
+    def _redraw(self) -> None:
         if self.bar is not None:
-            self.bar.update(n)
+            self.bar.n = self.shown()
+            self.bar.refresh()
+
+    def partial(self, inflight: dict[int, int]) -> None:
+        """Prompts decoded so far inside shards still running; they count until their shard is written."""
+        self.inflight = {i: n for i, n in inflight.items() if n}
+        self._redraw()
+
+    def add(self, n: int, extra: str = "", shard: int | None = None) -> None:
+        self.done += n
+        self.inflight.pop(shard, None)
+        self._redraw()
         self.tick(extra)
 
     def tick(self, extra: str = "", force: bool = False) -> None:
@@ -197,6 +213,27 @@ def _cause(e: Exception) -> BaseException:
     return getattr(e, "cause", None) or e
 
 
+def check_models_and_hub(cfg: GenerationConfig) -> str | None:
+    """Before any prompt is read, folder made or Ray started: the backbone (and adapter) resolve on this machine,
+    named when they do not (``ray job submit`` runs this on the head node, which must see them like every node).
+    Prompts from the Hub: one quick probe; when the Hub cannot be reached, the Hugging Face libraries go offline
+    (local cache only, no retry loop) and the reason is returned for the error message."""
+    from tdlm.models.loading import check_backbone_available, hub_offline, hub_unreachable
+
+    try:
+        check_backbone_available(cfg.backbone)
+    except TDLMError as e:
+        raise (e if repr(cfg.backbone) in str(e) else TDLMError(f"backbone {cfg.backbone!r}: {e}")) from None
+    if cfg.adapter:
+        adapter_fingerprint(cfg.adapter)  # names the folder and the missing file
+    if cfg.prompt_source().is_local():
+        return None
+    why = hub_unreachable()
+    if why:
+        hub_offline()
+    return why
+
+
 def prepare(cfg: GenerationConfig) -> ShardStore:
     """Step 1 of the recipe: the checked job as an (unopened, unlocked) :class:`ShardStore`.
 
@@ -210,8 +247,15 @@ def prepare(cfg: GenerationConfig) -> ShardStore:
             f"--output-dir {cfg.output_dir!r} is relative, but a Ray job runs in a temporary copy of its "
             f"working dir (the shards would be lost with it); give an absolute path"
         )
+    offline = check_models_and_hub(cfg)
     src = cfg.prompt_source()
-    prompts = load_prompts(src)
+    try:
+        prompts = load_prompts(src)
+    except TDLMError as e:
+        if offline:
+            raise TDLMError(f"{e} (the Hugging Face Hub cannot be reached: {offline}; only the local cache was "
+                            f"read, nothing retried)") from None
+        raise
     provenance = check_teacher_prompts(src, [p.text for p in prompts], cfg.allow_eval_prompts)
     fp_backbone, fp_adapter = _fingerprints(cfg)
     identity = cfg.identity(prompts, fp_backbone, fp_adapter)
@@ -260,6 +304,24 @@ def generate(cfg: GenerationConfig) -> GenerationSummary:
     return summary
 
 
+def _inflight(actors: dict[int, object], pending: dict[object, tuple[str, int, int | None]]) -> dict[int, int]:
+    """shard -> prompts decoded so far, asked of every replica holding a shard (a replica that died or does not
+    answer within a second counts nothing; its shard's result, or its failure, comes through ``pending``)."""
+    import ray
+
+    busy = {slot: index for kind, slot, index in pending.values() if kind == "shard"}
+    refs = {slot: actors[slot].progress.remote() for slot in busy}
+    out: dict[int, int] = {}
+    for slot, ref in refs.items():
+        try:
+            got = ray.get(ref, timeout=1.0)
+        except Exception:  # GetTimeoutError, RayActorError: no number this time
+            continue
+        if got is not None and got[0] == busy[slot]:
+            out[got[0]] = int(got[1])
+    return out
+
+
 def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: FaultInjection | None,
          summary: GenerationSummary) -> None:  # fmt: skip
     """Steps 4-5 of the recipe: replicas, dispatch, writes, driver-level redo pass."""
@@ -280,8 +342,9 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
         threads=None if gpu else cfg.cpus_per_actor,
         faults=faults,
     )
+    # Two threads per replica: run_shard in one, progress() answered in the other (per-batch progress).
     remote_cls = ray.remote(ShardWorker).options(
-        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries
+        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries, max_concurrency=2
     )
     log.info("starting %d replica(s) of %s (%s each)", n_actors, cfg.backbone, resources)
     actors: dict[int, object] = {}
@@ -326,6 +389,7 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(cfg.log_interval, 5.0))
             if not ready:
                 n_ready = n_actors - sum(kind == "ready" for kind, _, _ in pending.values())
+                progress.partial(_inflight(actors, pending))
                 progress.tick(f" | {n_ready}/{n_actors} replicas up")
                 continue
             ref = ready[0]
@@ -372,7 +436,7 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
             store.commit(entry)
             summary.computed_shards.append(index)
             idle.append(slot)
-            progress.add(len(result.records), f" | shard {index} done ({result.seconds:.1f} s)")
+            progress.add(len(result.records), f" | shard {index} done ({result.seconds:.1f} s)", shard=index)
     finally:
         progress.close()
         for handle in actors.values():

@@ -99,12 +99,6 @@ class ShardResult:
     worker: dict = field(default_factory=dict)  # pid / host / device of the replica
 
 
-
-
-
-
-
-
 class ShardWorker:
     """A backbone replica. Construction never raises: errors are kept and re-raised by :meth:`info`,
     so that a bad path or adapter reaches the driver as one clean TDLMError instead of an actor that
@@ -113,6 +107,7 @@ class ShardWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.error: BaseException | None = None
+        self._progress: tuple[int, int] | None = None  # (shard, prompts decoded) while run_shard runs
         try:
             self._load()
         except Exception as e:  # re-raised by info() on the driver's first call
@@ -148,6 +143,12 @@ class ShardWorker:
             **self.meta,
         }
 
+    def progress(self) -> tuple[int, int] | None:
+        """(shard index, prompts of it decoded so far) while :meth:`run_shard` runs, else None. The driver runs the
+        actor with two threads and asks this between results, so its progress line moves with every decode batch
+        rather than once per shard (a 256-prompt shard once showed 0% for two minutes, then 100%)."""
+        return self._progress
+
     def _maybe_crash(self, index: int) -> None:
         f = self.spec.faults
         if f is None or f.crash_shard != index or f.crash_marker is None:
@@ -181,12 +182,17 @@ class ShardWorker:
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         results: list = [None] * len(ids)
         bs = self.spec.batch_size
-        for start in range(0, len(order), bs):
-            chunk = order[start : start + bs]
-            out = decode(self.model, [ids[i] for i in chunk], self.config, tokenizer=self.tokenizer,
-                         stop_ids=self.stop_ids)  # fmt: skip
-            for i, r in zip(chunk, out, strict=True):
-                results[i] = r
+        self._progress = (task.index, 0)
+        try:
+            for start in range(0, len(order), bs):
+                chunk = order[start : start + bs]
+                out = decode(self.model, [ids[i] for i in chunk], self.config, tokenizer=self.tokenizer,
+                             stop_ids=self.stop_ids)  # fmt: skip
+                for i, r in zip(chunk, out, strict=True):
+                    results[i] = r
+                self._progress = (task.index, start + len(chunk))
+        finally:
+            self._progress = None
         settings = self.config.to_dict()
         records = [
             TrajectoryRecord.from_decode(r, sid, text, self.backbone.backbone_id, settings)

@@ -349,6 +349,56 @@ def random_backbone(family: str, config: dict, seed: int = 0, backbone_id: str =
     return model.freeze()
 
 
+# -- the Hugging Face Hub: one quick look, never a retry loop -------------------------------------------
+HUB_PROBE_TIMEOUT_S = 3.0
+_TRUE = ("1", "true", "yes", "on")
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here (``HF_HUB_OFFLINE`` set, or one TCP connect to
+    ``HF_ENDPOINT`` failing within ``timeout``), or None when it answers. Behind a proxy nothing is probed (None).
+
+    Without this, a command run with no network sat through huggingface_hub's retries (about 20 lines) and then
+    reported the prompt dataset, not the backbone that was missing.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{host}:{port} is unreachable ({e.strerror or type(e).__name__})"
+    return None
+
+
+def hub_offline() -> None:
+    """From now on this process's Hugging Face libraries read their local cache only: a missing file is an
+    immediate error, not a retry loop (``HF_HUB_OFFLINE``; the libraries read it at import, so their flags too)."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    if "huggingface_hub.constants" in sys.modules:
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
+    if "datasets.config" in sys.modules:
+        cfg = sys.modules["datasets.config"]
+        cfg.HF_HUB_OFFLINE = True
+        cfg.HF_DATASETS_OFFLINE = True
+
+
+def check_backbone_available(name_or_path: str) -> None:
+    """The backbone resolves on this machine - a preset, a shipped name, a checkpoint folder with config.json and
+    its weight files, or a Hub id already in the local cache - without reading any weights; else TDLMError naming
+    it (tdlm never downloads)."""
+    load_backbone_meta(name_or_path)
+
+
 def backbone_fingerprint(name_or_path: str) -> str:
     """The preset name, or sha256 over config.json + weight file names/sizes.
 
