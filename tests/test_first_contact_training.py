@@ -118,3 +118,54 @@ def test_run_config_checks_the_checkpoint_fields():
         with pytest.raises(TDLMError, match=rf"x.yaml: train.{field} must be {want}".replace("(", r"\(")
                            .replace(")", r"\)")):
             validate_run(run, "x.yaml")
+
+
+@pytest.fixture
+def wandb_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # the Tracker's setdefault must not leak into other tests
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    return tmp_path
+
+
+def test_a_resumed_tracker_continues_the_wandb_run_and_records_how_each_launch_ended(wandb_dir):
+    """Real W&B, offline: a stopped launch closes its run with an exit record; the resume opens the same id."""
+    from tdlm.tracking import RUN_RECORD, Tracker, previous_run_id
+
+    run = wandb_dir / "run"
+    first = Tracker(run, "tdlm", "g", None, {"a": 1}, "offline")
+    first.log({"loss": 1.0}, 1)
+    first.stop(1, "preempted", "SIGTERM")
+    rid = previous_run_id(run)
+    assert rid == first.record["id"]
+    second = Tracker(run, "tdlm", "g", None, {"a": 1}, "offline", resume_id=rid)
+    assert second.run.id == rid
+    second.log({"loss": 0.5}, 2)
+    second.finish({"steps": 2})
+    exits = json.loads((run / RUN_RECORD).read_text())["exits"]
+    assert [(e["state"], e["step"], e["exit_code"]) for e in exits] == [("preempted", 1, 75), ("finished", 2, 0)]
+    launches = sorted((run / "wandb").glob(f"offline-run-*-{rid}"))
+    assert len(launches) == 2
+    stopped = next(launches[0].glob("run-*.wandb")).read_bytes()
+    assert b"stopped_at_step" in stopped and b"preempted" in stopped
+
+
+def test_training_goes_on_when_the_wandb_service_dies(wandb_dir, capsys):
+    """A preemption's SIGTERM reaches W&B's service too: logging then goes on locally, and the run ends with one
+    warning instead of a traceback."""
+    import psutil
+
+    from tdlm.tracking import Tracker
+
+    run = wandb_dir / "run"
+    tracker = Tracker(run, "tdlm", "g", None, {"a": 1}, "offline")
+    tracker.log({"loss": 1.0}, 1)
+    (core,) = [p for p in psutil.Process().children(recursive=True) if "wandb-core" in p.name()]
+    core.terminate()
+    core.wait(30)
+    for step in range(2, 5):
+        tracker.log({"loss": 1.0 / step}, step)
+    tracker.finish({"steps": 4})
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    err = capsys.readouterr().err
+    assert "warning: W&B stopped responding during the run" in err and "Traceback" not in err

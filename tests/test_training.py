@@ -396,7 +396,8 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path, traj_dir):
     import time
 
     out = tmp_path / "run"
-    proc = _launch(_ds_json(tmp_path, "zero3.json", 3), traj_dir, out, background=True, steps=100000)
+    # ds_configs/zero3.json as shipped: its persistence threshold is where the W&B config once recorded 0 parameters
+    proc = _launch(REPO / "ds_configs" / "zero3.json", traj_dir, out, background=True, steps=100000)
     try:
         deadline = time.time() + 300
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
@@ -410,6 +411,9 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path, traj_dir):
             time.sleep(1)
         assert not _rank_pids(out), "ranks kept running after the launcher died"
         log = out.with_suffix(".log").read_text()
+        # the W&B config records the adapter's size: 2 layers x (4 x 64 x 32 + 1); ZeRO-3 once made it 0
+        (wb,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+        assert b'"temporal_parameters":16386}' in wb.read_bytes()
         assert "is gone; stopping rank" in log
         # ... and they stopped as if preempted (the watcher's SIGTERM): together, with a verified checkpoint
         from tdlm.training.run_dir import verify_checksums

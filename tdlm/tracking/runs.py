@@ -283,6 +283,12 @@ class Tracker(NullTracker):
         except Exception as e:  # ConnectionResetError, BrokenPipeError, wandb.Error: whatever the dead service gives
             self.wandb_error = f"{type(e).__name__}: {e}"
             self.run = None
+            import contextlib
+
+            with contextlib.suppress(BaseException):  # drop the dead connection now, not in a traceback at exit
+                import wandb
+
+                wandb.teardown()
             return False
 
     def _write_record(self) -> None:
