@@ -169,3 +169,33 @@ def test_training_goes_on_when_the_wandb_service_dies(wandb_dir, capsys):
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
     err = capsys.readouterr().err
     assert "warning: W&B stopped responding during the run" in err and "Traceback" not in err
+
+
+AGREE = """
+import os, signal, time, types
+import torch, torch.distributed as dist
+from tdlm.training.config import RunConfig
+from tdlm.training.loop import agree_to_stop
+from tdlm.training.run_dir import STOP
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+run = RunConfig()
+sess = types.SimpleNamespace(run=run, rank=0, device=torch.device("cpu"), saved_at=time.monotonic())
+print(agree_to_stop(sess))                       # nothing due
+sess.saved_at -= 31 * 60
+print(agree_to_stop(sess))                       # 31 minutes since the last checkpoint: train.save_every_minutes=30
+run.train.save_every_minutes = 0
+print(agree_to_stop(sess))                       # 0 = off
+STOP.install(pending=signal.SIGUSR1)
+print(agree_to_stop(sess))
+"""
+
+
+def test_the_update_boundary_decides_timed_checkpoints_and_stops(tmp_path):
+    """agree_to_stop in a real (one-rank) gloo group: rank 0's clock makes a checkpoint due after
+    train.save_every_minutes, 0 turns that off, a received stop signal is what every rank gets back."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PORT": str(29400 + os.getpid() % 500)}
+    proc = subprocess.run([sys.executable, "-c", AGREE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:4] == ["(0, False)", "(0, True)", "(0, False)", f"({int(signal.SIGUSR1)}, False)"]
