@@ -1,159 +1,233 @@
-"""Compiled vs eager decoding on CPU (issue 21, item 7 second bullet): ms per NFE of the backbone and of TDLM.
+"""TDLM's time per evaluation against the backbone's, eager and compiled, side by side (issue 26).
 
 Commands (from the repository root, venv active)::
 
-    python bench/decode_speed.py            # -> bench/results/decode_speed.json (~20 min on 2 busy cores)
-    python bench/decode_speed.py --quick    # 64 + 64 tokens, one repeat; prints only unless --out is given
+    python bench/decode_speed.py                         # tiny-multi + medium -> bench/results/decode_speed.json
+    python bench/decode_speed.py --suite tiny --rounds 7 # only the demo's setting
+    python bench/decode_speed.py --profile               # + where TDLM's extra time goes (torch.profiler)
+    python bench/decode_speed.py --quick                 # small shapes, 2 rounds; prints only unless --out is given
 
-**Setup.** The real ``tdlm.models.llada.LLaDA`` class at the medium shape of the other benches (d_model 512,
-8 layers, 8 heads, SwiGLU 1376, vocab 1024, fp32, seeded random weights), a 256-token prompt + 256 generated
-tokens, block 32, batch 1, threshold tau 0.9; the LM head is multiplied by ``--head-scale`` (110, as in
-``bench/cache_speed.py``) so that blocks take a few evaluations each instead of one token per evaluation.
-TDLM is the default temporal config (4 dispersed layers of 4 x 64) with history ``last:32``: H = 32 history
-slots per position, the H of ``bench/temporal_overhead.py``, preallocated as the static step needs (``full``
-would attend over C = gen_length = 256 slots whatever the evaluation); W_O = 0, so its tokens and NFE equal
-threshold's (Prop. 1) and its time is the backbone's plus the temporal attention and history writes.
+**Settings.**
 
-**Timing.** One torch thread; process CPU seconds (robust to other processes on a shared machine; wall
-seconds are recorded too). For each cache (none, dual) and method (backbone, TDLM), eager and compiled
-(``compile=True``: inductor, fullgraph) decode the same request side by side, alternating which runs first,
-``--repeats`` times each (default 1: a medium decode takes a minute on a loaded core), after an untimed
-warm-up per setting: for the compiled rows a whole decode of the same shapes, which compiles every graph, so
-the timed decodes exclude compilation and warm-up (its wall seconds are recorded); for eager one block. ms per NFE =
-CPU seconds / NFE. Reported: compiled / eager per NFE, and the temporal overhead per NFE = TDLM / backbone - 1.
+* ``tiny``: the demo's. The shipped ``tiny-multi`` backbone (fp32) with the demo's trained adapter (``--adapter``,
+  default ``runs/demo/train/adapter``: 3 temporal of 6 layers, 2 x 32 heads, history ``full``), the first
+  ``--batch`` (50, the demo's evaluation batch) multi-v1 test problems in one batch, 56 tokens in one block,
+  tau 0.9: exactly what ``make demo``'s evaluator decodes.
+* ``medium``: the real ``tdlm.models.llada.LLaDA`` class at d 512 x 8 layers (seeded random weights, the LM head
+  x ``--head-scale`` so blocks take a few evaluations), a 256-token prompt + 256 tokens, block 32, batch 1,
+  tau 0.9, without a cache and with the dual cache; TDLM is the default config (4 dispersed layers of 4 x 64)
+  with history ``last:32`` and W_O = 0, so its tokens equal threshold's (Prop. 1).
 
-Targets (issue 21): compiled not slower than eager; TDLM's temporal overhead per NFE <= 8% of the backbone's,
-uncached and with the dual cache. The table says met or not with the measured numbers.
+**Timing** (:mod:`timing`, the shared harness). In one process, per setting, the four candidates backbone /
+TDLM x eager / compiled (``compile=True``: inductor, fullgraph) decode the same request batch once per round, in
+an order rotated every round, after untimed warm-ups (a whole decode each, so compiled rows exclude compilation).
+One torch thread; process CPU seconds (robust to other processes on a shared machine; wall seconds are kept
+too). Time per evaluation = seconds / evaluations of the batch (the largest NFE of its rows). Reported: TDLM /
+backbone per evaluation as min/min and as the median of per-round ratios, and compiled / eager.
+
+**Targets** (issue 26): TDLM <= 1.15x the backbone per evaluation on ``tiny``, eager and compiled; <= 1.10x on
+``medium``, uncached and dual; compiled never slower than eager for TDLM. The verdict uses min/min.
+
+``--profile`` adds, per setting, the self CPU time per evaluation of every aten op (eager) and of every inductor
+kernel (compiled, ``torch._inductor.config.cpp.enable_kernel_profile``) for one decode of each method, and the
+ops / kernels where TDLM spends the most beyond the backbone.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-from benchlib import machine, write_result  # noqa: E402  (bench/ is sys.path[0] as a script)
+from benchlib import machine, write_result  # noqa: E402  (bench/ is on sys.path as a script)
+from timing import interleaved, ratio, summary  # noqa: E402
 
 import tdlm  # noqa: E402
-from tdlm.models.loading import random_backbone  # noqa: E402
+from tdlm.errors import TDLMError  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "decode_speed.json"
+DEFAULT_ADAPTER = REPO / "runs" / "demo" / "train" / "adapter"
 MEDIUM = dict(
     d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, mlp_hidden_size=1376, vocab_size=1024,
     embedding_size=1024, mask_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="float32",
 )  # fmt: skip
-CACHES = ("none", "dual")
-TARGETS = {"compiled_over_eager_max": 1.0, "temporal_overhead_max": 0.08}
+TARGETS = {"tiny": 1.15, "medium": 1.10, "compiled_over_eager_max": 1.0}
+MODES = (("eager", False), ("compiled", True))
 
 
-def build(head_scale: float, history: str) -> tdlm.TDLM:
+def tiny_setting(adapter: Path, batch: int) -> dict:
+    """The demo's evaluation batch: tiny-multi + the demo adapter, ``batch`` test prompts, 56 tokens, one block."""
+    from tdlm.data.tokenizer import encode_prompts, load_tokenizer, stop_token_ids
+    from tdlm.tasks.multi import load_split
+    from tdlm.tasks.toydata import MULTI_GEN_LENGTH
+
+    if not (adapter / "adapter.safetensors").exists():
+        raise TDLMError(f"--adapter {adapter}: no adapter.safetensors there; run `make demo` first (it trains the "
+                        f"demo adapter into runs/demo/train/adapter) or pass the folder of one")  # fmt: skip
+    bb = tdlm.load_backbone("tiny-multi", dtype="float32")
+    model = tdlm.TDLM.from_adapter(bb, adapter).eval()
+    tok = load_tokenizer("tiny-multi")
+    prompts = encode_prompts(tok, [p.prompt for p in load_split("test", batch)])
+    cfg = tdlm.DecodeConfig(gen_length=MULTI_GEN_LENGTH, block_size=MULTI_GEN_LENGTH, threshold=0.9)
+    kw = {"tokenizer": tok, "stop_ids": stop_token_ids(tok, bb.eos_token_id)}
+    return {"name": "tiny", "label": f"tiny-multi + demo adapter, batch {batch}", "model": model, "prompts": prompts,
+            "cfg": cfg, "kw": kw, "target": TARGETS["tiny"]}  # fmt: skip
+
+
+def medium_settings(head_scale: float, history: str, quick: bool) -> list[dict]:
+    from tdlm.models.loading import random_backbone
+
     backbone = random_backbone("llada", MEDIUM, 0, "medium-llada")
     with torch.no_grad():
         backbone.model.transformer.ff_out.weight.mul_(head_scale)
-    return tdlm.TDLM(backbone, tdlm.TemporalConfig(history=history)).eval()
+    model = tdlm.TDLM(backbone, tdlm.TemporalConfig(history=history)).eval()
+    prompt_len, gen = (64, 64) if quick else (256, 256)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(8, MEDIUM["vocab_size"], (prompt_len,), generator=g).tolist()
+    return [{"name": f"medium-{cache}", "label": f"medium LLaDA d512x8, {prompt_len}+{gen}, cache {cache}",
+             "model": model, "prompts": [prompt], "cfg": tdlm.DecodeConfig(gen_length=gen, block_size=32,
+                                                                           threshold=0.9, cache=cache),
+             "kw": {}, "target": TARGETS["medium"]} for cache in ("none", "dual")]  # fmt: skip
 
 
-def decode_once(model, policy: str, prompt: list[int], cfg: tdlm.DecodeConfig, compile_) -> dict:
-    c0, t0 = time.process_time(), time.perf_counter()
-    res = tdlm.decode(model, [prompt], cfg, policy=policy, compile=compile_)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    return {"cpu_s": cpu, "wall_s": wall, "nfe": res[0].nfe, "tokens": res[0].tokens}
+def candidates(s: dict, compile_: str) -> dict:
+    model = s["model"]
+    out = {}
+    for method, target, policy in (("backbone", model.backbone, "threshold"), ("tdlm", model, "tdlm")):
+        for mode, comp in MODES:
+            c = compile_ if comp else False
+            out[f"{method}/{mode}"] = (lambda t=target, p=policy, c=c: tdlm.decode(t, s["prompts"], s["cfg"], policy=p,
+                                                                                 compile=c, **s["kw"]))
+    return out
 
 
-def _attention_code() -> str:
-    """Which temporal attention ran: the git blob of tdlm/temporal/attention.py (and whether it is modified)."""
-    import subprocess
+def evaluations(results) -> int:
+    """Evaluations of one batched decode: its longest row's NFE (rows leave the batch when done)."""
+    return max(r.nfe for r in results)
 
-    try:
-        blob = subprocess.run(["git", "hash-object", "tdlm/temporal/attention.py"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "tdlm/temporal/attention.py"], cwd=REPO)
-        return f"attention.py blob {blob}" + (" (uncommitted changes)" if dirty.returncode else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+
+def measure(s: dict, rounds: int, compile_: str) -> dict:
+    cands = candidates(s, compile_)
+    print(f"[{s['label']}] warm-up (compiles the compiled rows' graphs) ...", file=sys.stderr, flush=True)
+    t = interleaved(cands, rounds, warmup=1)
+    per = lambda x: evaluations(x.value)  # noqa: E731
+    ms = {n: [1000 * v for v in t.seconds(n, "cpu", per)] for n in cands}
+    wall = {n: [1000 * v for v in t.seconds(n, "wall", per)] for n in cands}
+    toks = {n: [[r.tokens for r in x.value] for x in t.samples[n]] for n in cands}
+    rows = []
+    for n in cands:
+        method, mode = n.split("/")
+        rows.append({"setting": s["name"], "method": method, "mode": mode, "evaluations": per(t.samples[n][0]),
+                     "nfe_mean": sum(r.nfe for r in t.samples[n][0].value) / len(s["prompts"]),
+                     "ms_per_evaluation": summary(ms[n]), "wall_ms_per_evaluation": summary(wall[n]),
+                     "ms_runs": ms[n],
+                     "same_tokens_as_eager": all(x == toks[f"{method}/eager"][0] for x in toks[n])})  # fmt: skip
+    res = {"setting": s["name"], "label": s["label"], "rounds": rounds, "orders": t.orders, "rows": rows,
+           "tdlm_over_backbone": {m: ratio(ms[f"tdlm/{m}"], ms[f"backbone/{m}"]) for m, _ in MODES},
+           "compiled_over_eager": {m: ratio(ms[f"{m}/compiled"], ms[f"{m}/eager"]) for m in ("backbone", "tdlm")},
+           "target_tdlm_over_backbone_max": s["target"]}  # fmt: skip
+    res["verdict"] = {
+        **{f"tdlm_over_backbone_{m}": res["tdlm_over_backbone"][m]["of_min"] <= s["target"] for m, _ in MODES},
+        "tdlm_compiled_not_slower": res["compiled_over_eager"]["tdlm"]["of_min"] <= TARGETS["compiled_over_eager_max"],
+    }
+    return res
+
+
+def _op_table(prof, per: int, top: int = 40) -> dict[str, float]:
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {e.key: e.self_cpu_time_total / 1000 / per for e in rows[:top] if e.self_cpu_time_total > 0}
+
+
+def profile(s: dict, compile_: str) -> dict:
+    """Self CPU ms per evaluation of each op (eager) / inductor kernel (compiled), one decode per method."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch._inductor.config.cpp.enable_kernel_profile = True
+    out: dict = {}
+    for name, fn in candidates(s, compile_).items():
+        fn()  # warm: compiled graphs built, allocator pools filled
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            res = fn()
+        out[name] = {"evaluations": evaluations(res), "self_ms_per_evaluation": _op_table(prof, evaluations(res))}
+    for mode, _ in MODES:
+        a, b = out[f"backbone/{mode}"]["self_ms_per_evaluation"], out[f"tdlm/{mode}"]["self_ms_per_evaluation"]
+        diff = {k: b.get(k, 0.0) - a.get(k, 0.0) for k in set(a) | set(b)}
+        out[f"tdlm_minus_backbone/{mode}"] = dict(sorted(diff.items(), key=lambda kv: -kv[1])[:15])
+    return out
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = ["| setting | mode | backbone ms/eval (min / median) | TDLM ms/eval (min / median) | TDLM / backbone "
+             "(min / median of rounds) | target | TDLM compiled / eager | same tokens |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for res in results:
+        by = {(r["method"], r["mode"]): r for r in res["rows"]}
+        for mode, _ in MODES:
+            b, t = by[("backbone", mode)], by[("tdlm", mode)]
+            q = res["tdlm_over_backbone"][mode]
+            met = "met" if res["verdict"][f"tdlm_over_backbone_{mode}"] else "NOT MET"
+            ce = res["compiled_over_eager"]["tdlm"]
+            bm, tm = b["ms_per_evaluation"], t["ms_per_evaluation"]
+            same = b["same_tokens_as_eager"] and t["same_tokens_as_eager"]
+            lines.append(
+                f"| {res['label']} | {mode} | {bm['min']:.1f} / {bm['median']:.1f} | {tm['min']:.1f} / "
+                f"{tm['median']:.1f} | {q['of_min']:.3f} / {q['median_of_rounds']:.3f} | "
+                f"<= {res['target_tdlm_over_backbone_max']:.2f}: {met} | {ce['of_min']:.3f} / "
+                f"{ce['median_of_rounds']:.3f} | {same} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="64 + 64 tokens, one repeat")
-    ap.add_argument("--repeats", type=int, default=1, help="timed decodes per setting (alternating order)")
+    ap.add_argument("--suite", choices=("tiny", "medium", "all"), default="all")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per setting (default: tiny 7, medium 3)")
+    ap.add_argument("--adapter", type=Path, default=DEFAULT_ADAPTER, help="the demo adapter folder (tiny suite)")
+    ap.add_argument("--batch", type=int, default=50, help="tiny suite: prompts in the batch (the demo's 50)")
     ap.add_argument("--head-scale", type=float, default=110.0)
-    ap.add_argument("--history", default="last:32")
+    ap.add_argument("--history", default="last:32", help="medium suite: TDLM history")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", default="true", help="DecodeConfig.compile of the compiled rows (default inductor)")
+    ap.add_argument("--profile", action="store_true", help="add per-op / per-kernel profiles")
+    ap.add_argument("--quick", action="store_true", help="batch 8, medium 64 + 64, 2 rounds")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(REPO)}; none with --quick)")
     args = ap.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be >= 1; got {args.rounds}")
     torch.set_num_threads(args.threads)
-    prompt_len, gen = (64, 64) if args.quick else (256, 256)
-    repeats = 1 if args.quick else args.repeats
-    model = build(args.head_scale, args.history)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(8, MEDIUM["vocab_size"], (prompt_len,), generator=g).tolist()
     load0 = os.getloadavg()[0]
-    rows = []
+    settings = []
+    try:
+        if args.suite in ("tiny", "all"):
+            settings.append(tiny_setting(args.adapter, 8 if args.quick else args.batch))
+    except TDLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.suite in ("medium", "all"):
+        settings += medium_settings(args.head_scale, args.history, args.quick)
+    results, profiles = [], {}
     with torch.inference_mode():
-        for cache in CACHES:
-            cfg = tdlm.DecodeConfig(gen_length=gen, block_size=32, threshold=0.9, cache=cache)
-            short = dataclasses.replace(cfg, gen_length=32)
-            got: dict = {}
-            for method, target, policy in (("backbone", model.backbone, "threshold"), ("tdlm", model, "tdlm")):
-                for mode, comp in (("eager", False), ("compiled", args.compile)):
-                    t0 = time.perf_counter()
-                    # Compiled: a whole decode of the same shapes compiles every graph of this setting; eager: one
-                    # block warms the allocator (a whole eager decode would only double the bench's time).
-                    warm = decode_once(target, policy, prompt, cfg if comp else short, comp)
-                    got[(method, mode)] = {"warmup_wall_s": time.perf_counter() - t0, "runs": []}
-                    print(f"  {cache:4s} {method:8s} {mode:8s} warm-up {got[(method, mode)]['warmup_wall_s']:.1f} s, "
-                          f"(NFE {warm['nfe']})", file=sys.stderr, flush=True)  # fmt: skip
-            for r in range(repeats):
-                for method, target, policy in (("backbone", model.backbone, "threshold"), ("tdlm", model, "tdlm")):
-                    modes = (("eager", False), ("compiled", args.compile))
-                    for mode, comp in modes if r % 2 == 0 else modes[::-1]:
-                        got[(method, mode)]["runs"].append(decode_once(target, policy, prompt, cfg, comp))
-            per = {}
-            for d in got.values():
-                d["tokens"], d["nfe"] = d["runs"][0]["tokens"], d["runs"][0]["nfe"]
-            for (method, mode), d in got.items():
-                ms = [1000 * x["cpu_s"] / x["nfe"] for x in d["runs"]]
-                per[(method, mode)] = statistics.median(ms)
-                rows.append({
-                    "cache": cache, "method": method, "mode": mode, "nfe": d["nfe"],
-                    "ms_per_nfe": per[(method, mode)], "ms_per_nfe_runs": ms,
-                    "wall_ms_per_nfe": statistics.median(1000 * x["wall_s"] / x["nfe"] for x in d["runs"]),
-                    "warmup_wall_s": d["warmup_wall_s"],
-                    "same_tokens_as_eager_backbone": d["tokens"] == got[("backbone", "eager")]["tokens"]
-                    and all(x["tokens"] == d["tokens"] for x in d["runs"]),
-                })  # fmt: skip
-            for row in rows[-4:]:
-                row["compiled_over_eager"] = per[(row["method"], "compiled")] / per[(row["method"], "eager")]
-                row["temporal_overhead"] = per[("tdlm", row["mode"])] / per[("backbone", row["mode"])] - 1
-    lines = ["| cache | method | mode | NFE | ms/NFE (CPU) | compiled / eager | TDLM overhead / NFE | same tokens |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r['cache']} | {r['method']} | {r['mode']} | {r['nfe']} | {r['ms_per_nfe']:.1f} | "
-                     f"{r['compiled_over_eager']:.3f} | {100 * r['temporal_overhead']:+.1f}% | "
-                     f"{r['same_tokens_as_eager_backbone']} |")  # fmt: skip
-    verdict = {
-        "compiled_not_slower": all(r["compiled_over_eager"] <= TARGETS["compiled_over_eager_max"] for r in rows),
-        "temporal_overhead_le_8pct": {f"{r['cache']}/{r['mode']}": r["temporal_overhead"] <= 0.08
-                                      for r in rows if r["method"] == "tdlm"},  # fmt: skip
-    }
-    print("\n".join(lines))
-    print(f"targets: {verdict}")
+        for s in settings:
+            rounds = args.rounds or (2 if args.quick else 7 if s["name"] == "tiny" else 3)
+            results.append(measure(s, rounds, args.compile))
+            print("\n".join(table(results[-1:])[2:]), flush=True)
+            if args.profile:
+                profiles[s["name"]] = profile(s, args.compile)
+    lines = table(results)
+    print("\n" + "\n".join(lines))
     result = {"machine": machine(), "load_before": load0, "load_after": os.getloadavg()[0],
-              "settings": {"prompt_len": prompt_len, "gen_length": gen, "block_size": 32, "batch": 1,
-                           "threshold": 0.9, "head_scale": args.head_scale, "history": args.history,
-                           "repeats": repeats, "threads": args.threads, "compile": args.compile,
-                           "attention": _attention_code(), "medium": MEDIUM},
-              "targets": TARGETS, "verdict": verdict, "rows": rows, "table": lines}  # fmt: skip
+              "settings": {"suite": args.suite, "batch": args.batch, "adapter": str(args.adapter),
+                           "head_scale": args.head_scale, "history": args.history, "threads": args.threads,
+                           "compile": args.compile, "quick": args.quick, "medium": MEDIUM,
+                           "clock": "process CPU seconds / evaluations of the batch"},
+              "targets": TARGETS, "results": results, "table": lines,
+              **({"profile": profiles} if profiles else {})}  # fmt: skip
     out = args.out or (None if args.quick else RESULTS)
     if out:
         write_result(out, result)

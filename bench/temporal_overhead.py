@@ -252,22 +252,22 @@ def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> li
     r = (~masked).sum(-1)
     mcol = masked.unsqueeze(-1)
     hr = h[:, PROMPT_LEN:]
-    vis = cache.visible(layer)
+    kv, valid = cache.visible(layer)
+    allowed = valid & (mcol | cache.sink_column())  # once per evaluation, shared by the layers
     tables = mod.step_rope(r)
     qkv = mod.project_qkv(hr)
-    z, k, v = mod.step(hr, r, vis, rope=tables)
-
-    def commit_one_layer() -> None:
-        cache.layers[layer].valid &= masked[:, None, :]
+    z, entry = mod.step(hr, r, (kv, allowed), rope=tables)
+    slot = cache.slots(masked)
 
     pieces: dict[str, Callable[[], object]] = {
         "qkv matmul (d -> 3 d_t)": lambda: mod.project_qkv(hr),
         "rope tables (once per evaluation)": lambda: mod.step_rope(r),
         "rope q + k (one call)": lambda: rope_rotate(qkv, tables),
-        "step total (matmul + rope + one SDPA)": lambda: mod.step(hr, r, vis, rope=tables),
-        "cache visible + append": lambda: (cache.visible(layer), cache.append(layer, k, v, masked)),
+        "step total (matmul + rope + one SDPA over the stored layout)": lambda: mod.step(hr, r, (kv, allowed),
+                                                                                         rope=tables),
+        "append (one where + one scatter)": lambda: cache.append(layer, entry, masked, slot),
         "correct: W_O + Eq. 2 in place": lambda: mod.correct(h, PROMPT_LEN, PROMPT_LEN + RESPONSE_LEN, z, mcol),
-        "commit valid &= masked": commit_one_layer,
+        "validity mask (once per evaluation)": lambda: valid & (mcol | cache.sink_column()),
     }
     out = []
     for name, fn in pieces.items():

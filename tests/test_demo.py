@@ -66,13 +66,21 @@ def test_default_trajectories_are_generated_once(tmp_path):
 
 
 def test_judge_states_the_target_honestly():
-    base = {"policy": "threshold", "threshold": 0.9, "accuracy": 0.50, "nfe_mean": 10.0}
-    good = {"policy": "tdlm", "threshold": 0.5, "accuracy": 0.495, "nfe_mean": 7.9}
-    bad = {"policy": "tdlm", "threshold": 0.9, "accuracy": 0.40, "nfe_mean": 9.0}
-    text, facts = judge([base, good, bad])
-    assert facts["target_met"] and text.startswith("Target met") and "0.79x" in text
-    text, facts = judge([base, bad])
-    assert not facts["target_met"] and text.startswith("Target NOT met")
+    """Met needs all three: accuracy within 1 point, <= 0.8x NFE and <= 0.85x seconds; the NFE half alone is named
+    as such, and the training-seed spread at the best setting is quoted."""
+    base = {"policy": "threshold", "threshold": 0.9, "accuracy": 0.50, "nfe_mean": 10.0, "seconds_mean": 2.0}
+    good = {"policy": "tdlm", "threshold": 0.5, "accuracy": 0.495, "nfe_mean": 7.9, "seconds_mean": 1.6}
+    slow = {**good, "seconds_mean": 1.8}  # 0.79x NFE but 0.90x seconds
+    bad = {"policy": "tdlm", "threshold": 0.9, "accuracy": 0.40, "nfe_mean": 9.0, "seconds_mean": 1.0}
+    seeds = {0.5: {"sd": 0.021, "range": [0.47, 0.52], "seeds": 200}}
+    text, facts = judge([base, good, bad], seeds)
+    assert facts["target_met"] and text.startswith("Target met") and "0.79x its NFE" in text and "0.80x its sec" in text
+    assert "sd 2.1 points" in text and facts["seed_spread_at_best"]["sd"] == 0.021
+    text, facts = judge([base, slow, bad], seeds)
+    assert not facts["target_met"] and facts["nfe_target_met"] and text.startswith("Target NOT met")
+    assert "NFE half holds" in text and "0.90x its seconds" in text
+    text, facts = judge([base, bad], {})
+    assert not facts["target_met"] and not facts["nfe_target_met"] and "no TDLM setting" in text
 
 
 def test_report_rechecks_the_model_card():
@@ -93,14 +101,17 @@ def test_report_rechecks_the_model_card():
 
 def test_frontier_table_gives_standard_errors_and_nfe_ratios():
     assert standard_error(0.5, 100) == pytest.approx(0.05)
-    runs = [{"policy": "tdlm", "threshold": 0.9, "n": 400, "accuracy": 0.6, "nfe_mean": 15.0},
+    runs = [{"policy": "tdlm", "threshold": 0.9, "n": 400, "accuracy": 0.6, "nfe_mean": 15.0, "seconds_mean": 0.9,
+             "seconds_se": 0.02},
             {"policy": "threshold", "threshold": 0.7, "n": 400, "accuracy": 0.5, "nfe_mean": 16.0},
-            {"policy": "threshold", "threshold": 0.9, "n": 400, "accuracy": 0.66, "nfe_mean": 30.0},
+            {"policy": "threshold", "threshold": 0.9, "n": 400, "accuracy": 0.66, "nfe_mean": 30.0,
+             "seconds_mean": 1.2},
             {"policy": "original", "threshold": None, "n": 400, "accuracy": 0.66, "nfe_mean": 56.0}]
     lines = frontier_table(runs).splitlines()[2:]
     assert [ln.split(" | ")[:2] for ln in lines] == [["| original", "-"], ["| threshold", "0.9"],
                                                      ["| threshold", "0.7"], ["| tdlm", "0.9"]]
-    assert "| 60.0 ± 2.4% | 15.00 | 0.50x |" in lines[3] and "1.87x" in lines[0]
+    assert "| 60.0 ± 2.4% | 15.00 | 0.50x | 0.900 ± 0.020 | 0.75x |" in lines[3] and "1.87x" in lines[0]
+    assert lines[2].endswith("| - | - |")  # no seconds recorded: none invented
 
 
 def test_diagnostic_table_reads_change_statistics():

@@ -123,7 +123,32 @@ def test_aggregate():
     assert (a["n"], a["correct"]) == (3, 2) and a["accuracy"] == pytest.approx(2 / 3)
     assert (a["nfe_mean"], a["seconds_mean"], a["seconds_median"], a["seconds_total"]) == (20.0, 2.0, 2.0, 6.0)
     assert a["status_counts"] == {"correct": 2, "unparsed": 1}
+    assert a["seconds_sd"] == pytest.approx(1.0) and a["seconds_se"] == pytest.approx(1.0 / 3**0.5)
+    assert (a["seconds_p10"], a["seconds_p90"]) == (pytest.approx(1.2), pytest.approx(2.8))
     assert aggregate([])["accuracy"] is None
+
+
+def test_method_rows_are_timed_interleaved_in_rotated_order(tmp_path):
+    """One job per batch; round k holds every run's k-th batch (each shard's), the runs rotated by k, so load
+    changes land on every method alike; only a run's first batch warms up; resumed problems are left out."""
+    from tdlm.evaluation.driver import plan_runs, shard_jobs
+
+    cfg = cfg_for(tmp_path, tasks=["gsm8k"], policies=["original", "threshold"], thresholds=[0.5, 0.9], limit=8,
+                  batch_size=2, warmup=1)
+    plans = plan_runs(cfg)
+    names = [p.spec.name for p in plans]
+    assert len(names) == 3
+    jobs, skipped = shard_jobs(cfg, plans, 2)
+    assert skipped == 0 and len(jobs) == 3 * 2 * 2  # 3 runs x 2 shards x 2 batches of 2
+    run_of = {str(p.run_dir): p.spec.name for p in plans}
+    seq = [(run_of[j.run_dir], j.shard) for j in jobs]
+    r0 = [n for n, w in seq[:6] if w == 0]
+    r1 = [n for n, w in seq[6:] if w == 0]
+    assert r0 == names and r1 == names[1:] + names[:1], (r0, r1)
+    assert all(len(j.problems) == 2 for j in jobs)
+    assert [j.warmup for j in jobs] == [1] * 6 + [0] * 6
+    every = sorted(p[0] for j in jobs if run_of[j.run_dir] == names[0] for p in j.problems)
+    assert every == sorted(p.id for p in plans[0].task.problems)  # each problem exactly once
 
 
 def test_pareto_front():

@@ -172,18 +172,34 @@ def plan_runs(cfg: EvalConfig) -> list[Plan]:
 
 
 def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[list[ShardJob], int]:
-    """Jobs for the problems without a record yet (any earlier worker count); returns (jobs, samples done)."""
-    jobs, skipped = [], 0
+    """Jobs for the problems without a record yet (any earlier worker count); returns (jobs, samples done).
+
+    One job per batch, ordered in rounds so that the methods are timed interleaved: round k holds the k-th batch
+    of every run's shard, runs in an order rotated by k (A B C, B C A, ...). A worker runs its jobs in this order,
+    so a change of machine load during an evaluation lands on every run alike, not on the runs that happened to
+    be decoded at that time; only each run's first batch warms up (``warmup``: the worker keeps its models)."""
+    per_run: list[list[list[ShardJob]]] = []  # [plan][round] -> the round's jobs of that run (one per shard)
+    skipped = 0
     for plan in plans:
         done = done_ids(plan.run_dir)
         todo = [p for p in plan.task.problems if p.id not in done]
         skipped += len(plan.task.problems) - len(todo)
         decode_cfg = plan.spec.decode_config(cfg).to_dict()
+        rounds: list[list[ShardJob]] = []
         for w in range(num_shards):
             probs = [(p.id, p.index, p.prompt) for p in todo if shard_of(p.index, num_shards) == w]
-            if probs:
-                jobs.append(ShardJob(plan.spec.to_dict(), str(plan.run_dir), w, num_shards, probs, decode_cfg,
-                                     cfg.batch_size, cfg.warmup))  # fmt: skip
+            for k, start in enumerate(range(0, len(probs), cfg.batch_size)):
+                if len(rounds) <= k:
+                    rounds.append([])
+                rounds[k].append(ShardJob(plan.spec.to_dict(), str(plan.run_dir), w, num_shards,
+                                          probs[start : start + cfg.batch_size], decode_cfg, cfg.batch_size,
+                                          cfg.warmup if k == 0 else 0))  # fmt: skip
+        per_run.append(rounds)
+    jobs = []
+    for k in range(max((len(r) for r in per_run), default=0)):
+        n = len(per_run)
+        for i in (*range(k % n, n), *range(k % n)):
+            jobs.extend(per_run[i][k] if k < len(per_run[i]) else [])
     return jobs, skipped
 
 
@@ -274,10 +290,10 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
                 raise TDLMError(f"worker {w} failed to start: {cause}") from None
             log.info("worker %d up: pid %s on %s (%s)", w, info["pid"], info["host"], info["device_name"])
         pending: dict[object, tuple[int, ShardJob, int]] = {}
-        attempts: collections.Counter[tuple[str, int]] = collections.Counter()
+        attempts: collections.Counter[tuple[str, int, str]] = collections.Counter()
 
         def submit(w: int, job: ShardJob) -> None:
-            attempts[(job.run_dir, w)] += 1
+            attempts[(job.run_dir, w, job.problems[0][0])] += 1
             pending[actors[w].run_shard.remote(job)] = (w, job, generation[w])
 
         for w, js in by_shard.items():
@@ -297,7 +313,7 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
                     msg = str(cause) if isinstance(cause, TDLMError) else f"{type(cause).__name__}: {cause}"
                     raise TDLMError(f"{job.run_dir} shard {w}: {msg}") from None
                 except (RayActorError, RayError) as e:  # the actor died and Ray's restarts are spent
-                    n = attempts[(job.run_dir, w)]
+                    n = attempts[(job.run_dir, w, job.problems[0][0])]
                     if n >= cfg.max_shard_attempts:
                         raise TDLMError(f"{job.run_dir} shard {w}: worker died on all {n} attempts "
                                         f"({type(e).__name__})") from None  # fmt: skip

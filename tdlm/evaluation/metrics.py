@@ -2,7 +2,9 @@
 same backbone on the same task").
 
 * accuracy / pass@1: correct / n from one greedy generation per problem (unparsed counts as wrong);
-* mean NFE and mean generation seconds per sample (warm-up excluded by the workers);
+* mean NFE and mean generation seconds per sample (warm-up excluded by the workers), with the seconds' spread
+  (sd, se = sd / sqrt(n), 10th / 90th percentiles); the evaluator times method rows interleaved, batch by batch
+  in a rotated order (:func:`tdlm.evaluation.driver.shard_jobs`), so machine load lands on every row alike;
 * ``speedup_vs_X = mean seconds of X / mean seconds of the run`` and ``nfe_ratio_vs_X = mean NFE of X /
   mean NFE of the run`` (both > 1 when the run is faster / uses fewer evaluations), where X is
 
@@ -46,9 +48,23 @@ def aggregate(samples: Sequence[dict]) -> dict:
         "nfe_median": statistics.median(nfes),
         "seconds_mean": statistics.fmean(secs),
         "seconds_median": statistics.median(secs),
+        # spread of the per-sample seconds (samples of one batch share its wall time, so se is optimistic)
+        "seconds_sd": statistics.stdev(secs) if n > 1 else 0.0,
+        "seconds_se": statistics.stdev(secs) / math.sqrt(n) if n > 1 else 0.0,
+        "seconds_p10": _quantile(secs, 0.1),
+        "seconds_p90": _quantile(secs, 0.9),
         "seconds_total": math.fsum(secs),
         "status_counts": dict(sorted(Counter(s.get("status", "?") for s in samples).items())),
     }
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of ``xs`` (linear interpolation between order statistics)."""
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
 
 
 def ratio(baseline: float | None, value: float | None) -> float | None:

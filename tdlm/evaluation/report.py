@@ -188,16 +188,24 @@ def allocation_table(runs: Sequence[dict]) -> str:
     return "\n\n".join(out)
 
 
+def _sec(r: dict) -> str:
+    """Mean seconds per sample with its standard error (summaries written before the spread: the mean alone)."""
+    se = r.get("seconds_se")
+    if se is None or r["seconds_mean"] is None:
+        return _f(r["seconds_mean"], 3)
+    return f"{r['seconds_mean']:.3f} ± {se:.3f}"
+
+
 def detail_table(runs: Sequence[dict]) -> str:
     """Every run: score, NFE, seconds, speedup and NFE ratio over original and over threshold."""
-    header = ["Backbone", "Task", "Method", "n", "Acc (%)", "NFE", "Avg. sec", "× orig", "NFE ÷ orig",
+    header = ["Backbone", "Task", "Method", "n", "Acc (%)", "NFE", "Avg. sec ± se", "× orig", "NFE ÷ orig",
               "× thr", "NFE ÷ thr", "thr τ"]  # fmt: skip
     body = []
     for r in sorted(runs, key=lambda r: (str(r.get("backbone_id") or r["backbone"]), _tasks([r])[0], sort_key(r))):
         tau = r.get("threshold_baseline_tau")
         body.append([str(r.get("backbone_id") or r["backbone"]), TASK_TITLES.get(r["task"], r["task"]),
                      method_label(r), str(r["n"]), _pct(r["accuracy"]), _f(r["nfe_mean"], 2),
-                     _f(r["seconds_mean"], 3), _x(r.get("speedup_vs_original")), _x(r.get("nfe_ratio_vs_original")),
+                     _sec(r), _x(r.get("speedup_vs_original")), _x(r.get("nfe_ratio_vs_original")),
                      _x(r.get("speedup_vs_threshold")), _x(r.get("nfe_ratio_vs_threshold")),
                      "–" if tau is None else f"{tau:g}"])  # fmt: skip
     return _table(header, body)
