@@ -24,7 +24,12 @@ from tdlm.errors import TDLMError
 T = TypeVar("T")
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true/false", type(None): "null"}
+
+
 def _type_name(tp: Any) -> str:
+    if tp in _TYPE_WORDS:
+        return _TYPE_WORDS[tp]
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -55,7 +55,7 @@ def test_sweep_override_mistakes_blame_the_override_and_file_mistakes_name_file_
     monkeypatch.chdir(REPO)
     for override, pattern in (
         ("eval.limt=50", r"^override 'eval.limt=50': unknown key 'eval.limt'; did you mean 'eval.limit'\?$"),
-        ("eval.limit=many", r"^override 'eval.limit=many': expected int or NoneType; got 'many'$"),
+        ("eval.limit=many", r"^override 'eval.limit=many': expected an integer or null; got 'many'$"),
         ("eval.thresholds=[1.5]", r"^override 'eval.thresholds=\[1.5\]': eval.thresholds must be a non-empty list "
                                   r"of taus in \[0, 1\]; got \[1.5\]$"),
         ("experiment=a b", r"^override 'experiment=a b': experiment must be a name"),
@@ -190,3 +190,7 @@ def test_two_allocation_sweep_end_to_end(tmp_path):
                 f"{original['seconds_mean'] / r['seconds_mean']:.2f}× |")
         assert line in cmp.stdout, (line, cmp.stdout)
     assert (out / "table4.md").read_text() in cmp.stdout
+    # the comparison figure: both allocations against the baselines, redrawn by each trial and by `run`
+    assert (out / "pareto_arith.png").stat().st_size > 10_000
+    last = json.loads((out / "trials" / "all" / "trial.json").read_text())
+    assert last["sweep_plots"] == [str(out / "pareto_arith.png")]
