@@ -71,7 +71,8 @@ def f(x):
 def test_hash_colliding_values_cost_at_most_the_cpu_budget(code, limits):
     r = score_code(code, ["assert set(f(1)) == set((2,))"], limits=limits, reference=REFERENCE).sandbox
     assert not r.passed and "exceed the CPU budget" in r.detail, r.detail
-    assert r.verdict_cpu_s is not None and BUDGETS["cpu_s"] - 0.05 <= r.verdict_cpu_s <= 2.0, r.verdict_cpu_s
+    # the worst-case cost of one sample to the evaluator: its trusted child's CPU time, killed at the budget
+    assert r.verdict_cpu_s is not None and BUDGETS["cpu_s"] / 2 <= r.verdict_cpu_s <= 2.0, r.verdict_cpu_s
 
 
 FORGED = FIND_VALUES_FD + """
@@ -99,38 +100,42 @@ ALWAYS_EQUAL = """
 class E:
     def __eq__(self, other): return True
     def __bool__(self): return True
-    def startswith(self, *a): return True
     __hash__ = object.__hash__
 class S(str):
     def startswith(self, *a): return True
+    def endswith(self, *a): return True
+    def upper(self): return S(str.upper(self))
     def __eq__(self, other): return True
     __hash__ = str.__hash__
 """
+UPPER = "def f(x):\n    return x.upper() if isinstance(x, str) else 2 * x\n"
 DELEGATION = [
-    # (name, reference, sample, tests): every test holds only if the sample decided it
-    ("lambda", REFERENCE, ALWAYS_EQUAL + "def f(x):\n    return E()\n", ["assert (lambda v: v == 40)(f(20))"]),
-    ("lambda_on_a_plain_wrong_value", REFERENCE, "def f(x):\n    return 41\n", ["assert (lambda v: v == 40)(f(20))"]),
+    # (name, reference, sample, tests, honest tests): every test holds only if the sample decided it; an honest
+    # solution (UPPER) passes the honest tests through the same shapes
+    ("lambda", REFERENCE, ALWAYS_EQUAL + "def f(x):\n    return E()\n", ["assert (lambda v: v == 40)(f(20))"],
+     ["assert (lambda v: v == 40)(f(20))"]),
+    ("lambda_on_a_plain_wrong_value", REFERENCE, "def f(x):\n    return 41\n",
+     ["assert (lambda v: v == 40)(f(20))"], ["assert (lambda v: v == 40)(f(20))"]),
     ("method_of_the_result", REFERENCE, ALWAYS_EQUAL + "def f(x):\n    return S('py')\n",
-     ["assert f('py').startswith('PY')", "assert f('py').upper() == 'PYTHON'"]),
+     ["assert f('py').startswith('PY')", "assert f('py').upper().endswith('THON')"],
+     ["assert f('py').startswith('PY')", "assert f('py').lower().endswith('y')"]),
     ("builtin_redefined_under_if", REFERENCE,
-     "if True:\n    def max(x):\n        return 9\ndef f(x):\n    return [x]\n", ["assert max(f(3)) == 9"]),
+     "if True:\n    def max(x):\n        return 9\ndef f(x):\n    return [x]\n", ["assert max(f(3)) == 9"],
+     ["assert max([f(3)]) == 6"]),
     ("builtin_named_candidate_missing", "def sum(xs):\n    return 25\n", "def f(xs):\n    return 0\n",
-     ["assert sum([10, 15]) == 25"]),
+     ["assert sum([10, 15]) == 25"], None),
 ]
 
 
 @pytest.mark.parametrize("case", DELEGATION, ids=[c[0] for c in DELEGATION])
 def test_the_sample_never_decides_its_own_assert(case, limits):
-    name, reference, sample, tests = case
+    name, reference, sample, tests, honest_tests = case
     s = score_code(sample, tests, limits=limits, reference=reference)
     assert not s.correct and s.status == "failed" and s.sandbox.checks_completed, (name, s)
     if name == "builtin_named_candidate_missing":
         assert "NameError: name 'sum' is not defined" in s.detail, s.detail
-    honest = reference if name != "lambda" else "def f(x):\n    return 2 * x\n"
-    if name not in ("builtin_redefined_under_if", "builtin_named_candidate_missing"):
-        tests = [t.replace("'PYTHON'", "'PY'") for t in tests]
-        assert score_code("def f(x):\n    return x.upper() if isinstance(x, str) else 2 * x\n", tests,
-                          limits=limits, reference=honest).correct, name  # fmt: skip
+    if honest_tests:
+        assert score_code(UPPER, honest_tests, limits=limits, reference=reference).correct, name
 
 
 REFUSED = [

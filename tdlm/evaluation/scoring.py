@@ -24,13 +24,14 @@ main interpreter, and a SIGALRM handler cannot interrupt a long C-level SymPy ca
 
 MBPP: :func:`extract_code` takes the first fenced ```` ```python ```` block, else the first ```` ``` ```` block,
 else the raw text (an unterminated fence runs to the end: generations are cut at the token budget). Then
-``test_imports`` + code run as ``main.py`` in :mod:`tdlm.evaluation.sandbox`; the sample only evaluates the calls
-into its code that the asserts of ``test_list`` make and sends the values back, and this process evaluates each
-assert with them (:func:`tdlm.evaluation.sandbox.split_asserts`). pass@1 means every assert held and the program
-exited 0. Code scoring fails closed: :class:`Scorer` refuses the first code sample (one line naming what the
-kernel refused) when the sandbox lacks a guarantee, unless ``allow_weak_sandbox``; then every :class:`Score` of
-code carries ``weakened`` (the guarantees it did not get). ``Score.detail`` for code is a short escaped excerpt,
-never the sample's full output.
+``test_imports`` + code run as ``main.py`` in :mod:`tdlm.evaluation.sandbox`; the sample only evaluates the
+sub-expressions of the asserts rooted at the names the reference solution defines and sends the values back, and
+a trusted child process of this one decodes them and evaluates each assert under budgets
+(:func:`tdlm.evaluation.sandbox.split_asserts`; whatever a sample sends fails it with one line, never raises).
+pass@1 means every assert held and the program exited 0. Code scoring fails closed: :class:`Scorer` refuses the
+first code sample (one line naming what the kernel refused) when the sandbox lacks a guarantee, unless
+``allow_weak_sandbox``; then every :class:`Score` of code carries ``weakened`` (the guarantees it did not get).
+``Score.detail`` for code is a short escaped excerpt, never the sample's full output.
 """
 
 from __future__ import annotations

@@ -16,10 +16,16 @@ the model learns the function name and signature; all asserts are run when scori
     Answer with a single ```python code block that contains the complete solution.
 
 Scoring (:func:`tdlm.evaluation.scoring.score_code`) runs ``test_imports`` + extracted code in
-:mod:`tdlm.evaluation.sandbox`; the sample only evaluates the calls into its code that the asserts of ``test_list``
-make, and the evaluator's own process evaluates each assert (parsed with :mod:`ast`) with the values it sent back.
-pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends no values,
-so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this way (tests/test_sandbox_hostile.py).
+:mod:`tdlm.evaluation.sandbox`. The assert grammar lives here (:func:`plan_assert`, pure :mod:`ast` /
+:mod:`symtable`, nothing is run): the names the candidate owns are those the reference solution defines
+(:func:`reference_names`, at any depth); the sample evaluates only the sub-expressions rooted at one of them
+(``name(.attr)*`` and at most one call, with argument values the evaluator computes), and a trusted child process
+of the evaluator evaluates the rest of each assert with the values it sent back. :func:`load` refuses, naming the
+problem and the assert, any assert the grammar cannot split or that calls nothing of the reference's, so a shape
+that would hand the comparison to the sample is an error before anything is decoded; all 776 shipped asserts
+split. pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends
+no values, so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this way
+(tests/test_sandbox_hostile.py).
 """
 
 from __future__ import annotations

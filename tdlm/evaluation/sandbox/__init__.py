@@ -1,36 +1,58 @@
-"""The code sandbox for model-written MBPP solutions (issue 22): a verdict the sample cannot touch, nothing to
-read, aggregate limits, fail closed.
+"""The code sandbox for model-written MBPP solutions (issues 22 and 28): a verdict the sample cannot touch or
+stall, nothing to read, nothing reachable past the namespaces, aggregate limits, fail closed.
 
 Per run (:func:`run_python`), on a machine that grants everything (``isolation_support()["level"] == "full"``):
 
-1. **Verdict outside the sample** (:mod:`.verdict`). The trusted process parses each assert with :mod:`ast`; the
-   sample's process only evaluates the calls into the candidate's code and writes their values back through a
-   strict serialiser of builtins (numbers, str, bytes, bool, None, list/tuple/dict/set/frozenset; anything else
-   fails; never unpickled). The trusted process evaluates each assert with those values, real builtins and the
-   ``test_imports`` modules. No completion token: exiting early only loses values.
-2. **Nothing to read.** A new root (bubblewrap, or the in-house mount namespace + ``pivot_root``) holding only the
+1. **Verdict outside the sample** (:mod:`.verdict`, :mod:`.trusted`). The evaluator splits each assert with the
+   grammar of :func:`tdlm.tasks.mbpp.plan_assert`: the sample evaluates only the sub-expressions rooted at a name
+   the candidate defines (from the task's reference solution, bound at any depth; looked up in the program's
+   globals only, so a missing one is a NameError and a builtin never answers for it): ``name(.attr)*`` and at
+   most one call, with argument values the evaluator computed. Everything else - the comparison, the expected
+   side, lambdas, methods of the returned values, ``test_imports`` modules - is evaluated on the trusted side, on
+   decoded builtin values. A shape the grammar cannot split (``is`` between the candidate's values, arguments
+   that use names bound in the assert or mix the candidate's values into other code, a name that is neither a
+   builtin, imported nor the reference's) is refused when MBPP loads, before anything is decoded. The values
+   come back through a strict serialiser of builtins (never unpickled). No completion token: exiting early only
+   loses values.
+2. **A bounded trusted side.** The evaluator's process never parses the sample's bytes: a short-lived child
+   (``python -I -S -B trusted.py``, no candidate code) decodes them and evaluates the asserts under budgets:
+   nesting 64, 200,000 elements, 4,096 hex digits per int, RLIMIT_CPU 1 s (SIGXCPU; SIGKILL at 2 s), RLIMIT_AS
+   1 GiB, a wall clock. Any failure there fails that sample with one line (``Score.detail``); nothing raises into
+   ``score_many``. Worst case measured by ``bench/sandbox_throughput.py``: a 4 MiB set of hash-colliding ints
+   costs the evaluator about 1 CPU-s.
+3. **Nothing to read.** A new root (bubblewrap, or the in-house mount namespace + ``pivot_root``) holding only the
    interpreter's binary, loader, shared libraries and stdlib, read-only (:func:`.host.interpreter_files`); a
-   size-capped tmpfs ``/tmp`` (cwd, HOME) and ``/dev/shm``; ``/dev/{null,zero,full,random,urandom}``; a ``/proc``
-   of its own PID namespace. New network (no interface but a down loopback, no abstract sockets of the host), IPC
-   and UTS namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files; results get
+   size- and inode-capped tmpfs ``/tmp`` (cwd, HOME) and ``/dev/shm`` (under bubblewrap mounted by the launcher,
+   whose ``--tmpfs`` has no inode limit); ``/dev/{null,zero,full,random,urandom}``; a ``/proc`` of its own PID
+   namespace. New network (no interface but a down loopback, no abstract sockets of the host), IPC and UTS
+   namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files; results get
    :func:`.verdict.excerpt` (one escaped line) only.
-3. **Aggregate limits** (:class:`.host.Cgroups`): a cgroup per sample (v2 delegated subtree, else v1 memory + pids
+4. **Nothing past the namespaces.** Seccomp (``pyseccomp`` builds the BPF; bwrap ``--seccomp`` or the launcher's
+   ``prctl`` installs it) denies ``ptrace``, ``keyctl``, ``setns``, ``mount``, ``unshare`` and relatives
+   (:data:`.host.DENIED_SYSCALLS`), ``clone`` with any ``CLONE_NEW*`` flag (no nested user namespace with its
+   capabilities, on either backend), ``clone3`` (ENOSYS: glibc falls back to ``clone``), and ``socket`` /
+   ``socketpair`` of any family but AF_UNIX, AF_INET and AF_INET6 (no netlink, packet or vsock sockets: vsock
+   shares the host's port space). bwrap adds ``--disable-userns`` and ``--cap-drop ALL``.
+5. **Aggregate limits** (:class:`.host.Cgroups`): a cgroup per sample (v2 delegated subtree, else v1 memory + pids
    + cpuacct) bounds memory (tmpfs, memfd and shm pages included), tasks, and CPU time (polled, the whole tree
    killed past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp
    refuses ``fork`` / ``vfork`` / non-thread ``clone`` and ``memfd_create``, so per-process rlimits are the
-   aggregate. :attr:`SandboxResult.mechanism` records which applied.
-4. **Fail closed.** :func:`require_sandbox` raises one line (what the kernel refused, how to get it) when any of
+   aggregate. The files of the tmpfs are bounded by its inode limit (or a kernel-memory-charging cgroup); where
+   neither holds, ``limits`` is missing. :attr:`SandboxResult.mechanism` records which applied.
+6. **Fail closed.** :func:`require_sandbox` raises one line (what the kernel refused, how to get it) when any of
    :data:`GUARANTEES` is missing, unless ``allow_weak``; then every result's ``weakened`` names what is missing.
-5. **A maintained tool first**: ``bwrap`` (bubblewrap) when on PATH and working (as root the launcher drops to
-   nobody first, so bwrap runs unprivileged in its own user namespace, ``--disable-userns``, ``--cap-drop ALL``);
-   the in-house namespaces (:mod:`.launcher`) otherwise, with the same guarantees. Seccomp (``pyseccomp`` builds
-   the BPF; bwrap ``--seccomp`` or the launcher's ``prctl`` installs it) denies ``ptrace``, ``keyctl``, ``setns``,
-   ``mount``, ``unshare`` and relatives (:data:`.host.DENIED_SYSCALLS`).
+7. **A maintained tool first**: ``bwrap`` (bubblewrap) when on PATH and working (as root the launcher drops to
+   nobody first, so bwrap runs unprivileged in its own user namespace); the in-house namespaces (:mod:`.launcher`)
+   otherwise, with the same guarantees. An explicit backend that is not installed is refused in one line
+   (:func:`backend_unavailable`), never replaced.
 
-Threat model. In scope: anything a sample can do from Python or ctypes in its own process tree: reward hacking
-of the checks, reading files, exfiltration through results, resource exhaustion, state between samples, escaping
-through namespaces or other processes. Out of scope: kernel exploits through the syscalls the filter allows, and
-side channels (timing of the evaluator).
+Threat model. In scope: anything a sample can do from Python or ctypes in its own process tree: reward hacking of
+the checks (values crafted for the trusted side's comparison or to stall or crash it, forged lines on the values
+channel, redefined builtins, objects with their own ``__eq__``), reading files, exfiltration through results,
+resource exhaustion (kernel memory of files included), state between samples, escaping through namespaces, the
+kernel's socket families or other processes. The dataset (asserts, ``test_imports``, reference solutions) is
+trusted. Out of scope: kernel exploits through the syscalls and socket families the filter allows, and side
+channels (timing of the evaluator).
 """
 
 from .core import (

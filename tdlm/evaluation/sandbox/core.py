@@ -58,7 +58,7 @@ class SandboxLimits:
     output_bytes: int = 10_000  # stdout / stderr kept in the SandboxResult, each (records get a short excerpt)
     value_bytes: int = 4 << 20  # the values the sample sends back for the asserts, in all
     tmpfs_bytes: int = 64 << 20  # size of the sample's /tmp and of its /dev/shm (memory, charged to its cgroup)
-    tmpfs_inodes: int = 4096  # files + directories in each (in-house backend; bwrap has no such option)
+    tmpfs_inodes: int = 4096  # files + directories in each (bwrap: only where no cgroup charges kernel memory)
     backend: Backend = "auto"  # auto: bubblewrap when on PATH and working, else the in-house namespaces
     use_cgroups: bool = True  # False: force the fallback (one process, no fork, RLIMIT_NPROC), for tests
     # None: this interpreter if it can run as nobody, else a system python3 that can (samples need only the
@@ -389,7 +389,9 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
         cfg["argv"] = argv
         if plan.backend == "bwrap":
             mounts = (os.path.join(stage, "tmp"), os.path.join(stage, "shm"))
-            cfg["bwrap_tmpfs"] = list(mounts)
+            # a cgroup that charges kernel memory already bounds the files of bwrap's own tmpfs; otherwise the
+            # launcher mounts size- and inode-limited ones (and bwrap binds them)
+            cfg["bwrap_tmpfs"] = [] if cg is not None and cg.kmem else list(mounts)
             cfg["bwrap_argv"] = _bwrap_argv(plan, limits, seccomp_fd, argv, mounts)
             cfg["bwrap_argv_plain"] = _bwrap_argv(plan, limits, seccomp_fd, argv, None)
         with open(out_path, "wb") as fo, open(err_path, "wb") as fe:

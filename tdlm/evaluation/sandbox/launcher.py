@@ -6,10 +6,11 @@ what it achieved as ``repr`` lines of dicts (read with ``ast.literal_eval``) on 
 (EOF without an ``exec_failed`` line means the final ``exec`` succeeded). ``ctypes`` is imported only by the
 in-house backend. Order: join the per-sample cgroups -> rlimits -> then one of
 
-- ``bwrap`` backend: mount the sample's ``/tmp`` and ``/dev/shm`` as size- and inode-limited tmpfs in a private
-  mount namespace (a user namespace of its own first when not root; bubblewrap's ``--tmpfs`` has no inode
-  limit), as root drop to ``nobody`` (bubblewrap then runs unprivileged, in a user namespace of its own, and the
-  sample is ``nobody`` on the host too), then ``exec`` the prepared ``bwrap`` command line, which binds them;
+- ``bwrap`` backend: unless a cgroup that charges kernel memory bounds the files, mount the sample's ``/tmp`` and
+  ``/dev/shm`` as size- and inode-limited tmpfs in a private mount namespace (a user namespace of its own first
+  when not root; bubblewrap's ``--tmpfs`` has no inode limit), as root drop to ``nobody`` (bubblewrap then runs
+  unprivileged, in a user namespace of its own, and the sample is ``nobody`` on the host too), then ``exec`` the
+  prepared ``bwrap`` command line, which binds them;
 - ``inhouse`` backend (the fallback with the same guarantees): a user namespace when not root; new network, IPC,
   UTS and mount namespaces; a new root on a tmpfs holding only the interpreter's files (read-only bind mounts),
   ``/dev/{null,zero,full,random,urandom}``, size-capped tmpfs ``/tmp`` and ``/dev/shm`` and a ``/proc`` mounted by
@@ -117,16 +118,19 @@ def bwrap_tmpfs():
     return ""
 
 if cfg["backend"] == "bwrap":
-    try:
-        why = bwrap_tmpfs()
-    except OSError as e:
-        why = f"inode-limited tmpfs: {e}"
+    why = "not needed: the cgroup charges kernel memory"
+    if cfg["bwrap_tmpfs"]:
+        try:
+            why = bwrap_tmpfs()
+        except OSError as e:
+            why = f"inode-limited tmpfs: {e}"
     if drop:
         try:
             drop_uid()
         except OSError as e:
             die(f"drop to {cfg['drop_to']}: {e}")
-    say({"backend": "bwrap", "dropped": drop, "inodes": not why, "notes": {"inodes": why} if why else {}})
+    notes = {"inodes": why} if why and cfg["bwrap_tmpfs"] else {}
+    say({"backend": "bwrap", "dropped": drop, "inodes": not why, "notes": notes})
     for n in keep:
         os.set_inheritable(n, True)
     os.set_inheritable(fd, False)

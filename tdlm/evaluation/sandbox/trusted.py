@@ -1,12 +1,13 @@
 """The trusted side of the verdict (issue 28): decode what the sample sent back and evaluate the asserts, under
 explicit budgets, in a short-lived child process of the evaluator that never runs candidate code.
 
-The evaluator runs this file as ``python -I -S -B trusted.py`` (:func:`tdlm.evaluation.sandbox.verdict.judge`);
-the job comes on stdin as ``marshal`` of plain data written by the evaluator (never by the sample), the answer
-goes to stdout the same way. The sample's bytes are only ever parsed here, as JSON lines, by :func:`decode_values`.
-Budgets (:data:`BUDGETS`, overridable per job): nesting depth, elements (every decoded node counts), hex digits of
-an int / float, and - set on this process before it reads anything - CPU seconds (``RLIMIT_CPU``: SIGXCPU at the
-soft limit, SIGKILL one second later) and address space (``RLIMIT_AS``). A value past a budget fails its sample;
+The evaluator runs this file as ``python -I -S -B trusted.py`` (a small pool of them, reused:
+:func:`tdlm.evaluation.sandbox.verdict.judge`); each job comes on stdin as ``marshal`` of plain data written by the
+evaluator (never by the sample), the answer goes to stdout the same way. The sample's bytes are only ever parsed
+here, as JSON lines, by :func:`decode_values`. Budgets (:data:`BUDGETS`): nesting depth, elements (every decoded
+node counts), hex digits of an int / float, CPU seconds per job (``ITIMER_PROF``, whose default action ends this
+process mid-call; the evaluator then starts a fresh one) and address space (``RLIMIT_AS``). A value past a budget
+fails its sample;
 so does any exception (OverflowError of ``float.fromhex("0x1p+99999")``, MemoryError, a TypeError of the
 assert), with one line; a process killed by its CPU limit is reported by the evaluator. Nothing raises out of
 here, and the evaluator never spends more than the budget on one sample: a set of hash-colliding ints costs
@@ -28,7 +29,7 @@ BUDGETS = {
     "elements": 200_000,  # decoded nodes of all values of one sample
     "int_hex_digits": 4096,  # one int: 16,384 bits (about 4,900 decimal digits)
     "float_chars": 40,  # one float.hex() string ("-0x1.fffffffffffffp+1023" is 24)
-    "cpu_s": 1,  # RLIMIT_CPU of this process (soft; the hard limit is one second more)
+    "cpu_s": 1,  # CPU seconds of one job (ITIMER_PROF)
     "memory_bytes": 1 << 30,  # RLIMIT_AS of this process
 }
 PLACEHOLDER = "_tdlm_v"
@@ -196,22 +197,54 @@ def judge_job(job: dict[str, object]) -> dict[str, object]:
     return {"ok": all(verdicts), "verdicts": verdicts, "detail": first, "completed": completed}
 
 
+def _read_exact(stream: object, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = stream.read(n - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def _cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _main() -> None:
+    """Serve jobs until stdin closes: 4-byte length + marshal(job) in, the same out. Each job runs under a CPU timer
+    (ITIMER_PROF, whose default action ends the process: no handler, so a long C call is cut too)."""
     import marshal
     import resource
+    import signal
 
     budgets = {**BUDGETS, **{k: int(v) for k, v in (a.split("=", 1) for a in sys.argv[1:])}}
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CPU, (budgets["cpu_s"], budgets["cpu_s"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (budgets["memory_bytes"], budgets["memory_bytes"]))
-    try:
-        job = marshal.loads(sys.stdin.buffer.read())
-        job["budgets"] = budgets
-        out = judge_job(job)
-    except BaseException as e:  # noqa: BLE001 - MemoryError while reading, ...: one line back
-        out = {"ok": False, "verdicts": None, "detail": f"trusted side: {_why(e)}", "completed": False}
-    sys.stdout.buffer.write(marshal.dumps(out))
-    sys.stdout.buffer.flush()
+    signal.signal(signal.SIGPROF, signal.SIG_DFL)
+    src, dst = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        head = _read_exact(src, 4)
+        if not head:
+            return
+        data = _read_exact(src, int.from_bytes(head, "little"))
+        t0 = _cpu()
+        signal.setitimer(signal.ITIMER_PROF, budgets["cpu_s"])
+        try:
+            job = marshal.loads(data)
+            job["budgets"] = budgets
+            out = judge_job(job)
+        except BaseException as e:  # noqa: BLE001 - MemoryError while loading, ...: one line back
+            out = {"ok": False, "verdicts": None, "detail": f"trusted side: {_why(e)}", "completed": False}
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        t1 = _cpu()
+        out["cpu_s"], out["cpu_total"] = t1 - t0, t1
+        reply = marshal.dumps(out)
+        dst.write(len(reply).to_bytes(4, "little") + reply)
+        dst.flush()
 
 
 if __name__ == "__main__":

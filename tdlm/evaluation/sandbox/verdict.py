@@ -30,9 +30,11 @@ subclass of one of them (a ``Counter``, a ``namedtuple``) goes as the base type'
 
 from __future__ import annotations
 
+import atexit
 import functools
 import marshal
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -165,60 +167,118 @@ class Verdict:
     cpu_s: float
 
 
+class _Worker:
+    """One trusted child serving jobs (:func:`.trusted._main`); replaced when it dies or has served its share."""
+
+    JOBS = 500  # then a fresh process: nothing a job left in memory accumulates
+    BIG = 1 << 18  # values bytes past which the process is replaced after the job (its heap may have grown)
+
+    def __init__(self, python: str) -> None:
+        argv = [python, "-I", "-S", "-B", trusted.__file__]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})  # fmt: skip
+        self.python, self.jobs, self.cpu_total = python, 0, 0.0
+
+    def run(self, job: bytes) -> tuple[dict | None, float, int | None]:
+        """(answer, CPU seconds of this job, exit status if the process died); kills it past the wall clock."""
+        timer = threading.Timer(TRUSTED_TIMEOUT_S, self.kill)
+        timer.start()
+        try:
+            self.proc.stdin.write(len(job).to_bytes(4, "little") + job)
+            self.proc.stdin.flush()
+            head = self.proc.stdout.read(4)
+            reply = self.proc.stdout.read(int.from_bytes(head, "little")) if len(head) == 4 else b""
+        except OSError:
+            reply = b""
+        finally:
+            timer.cancel()
+        self.jobs += 1
+        if reply:
+            try:
+                out = marshal.loads(reply)
+                self.cpu_total = float(out["cpu_total"])
+                return out, float(out["cpu_s"]), None
+            except (ValueError, EOFError, TypeError, KeyError):
+                pass
+        return None, *self.reap()
+
+    def kill(self) -> None:
+        # os.kill, not Popen.kill: that polls first and would reap the process, and its rusage with it
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def reap(self) -> tuple[float, int]:
+        """Kill and wait for the process: (CPU seconds since its last answer, exit status)."""
+        self.kill()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:  # wait4, not wait(): the CPU time of the job that killed it is the measurement
+            _, status, usage = os.wait4(self.proc.pid, 0)
+            self.proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime - self.cpu_total, self.proc.returncode
+        except ChildProcessError:
+            return 0.0, self.proc.wait()
+
+
+_idle: list[_Worker] = []
+_idle_lock = threading.Lock()
+
+
+def _close_idle() -> None:
+    with _idle_lock:
+        workers, _idle[:] = list(_idle), []
+    for w in workers:
+        w.reap()
+
+
+atexit.register(_close_idle)
+
+
 def judge(splits: list[Split], values_data: bytes, test_imports: list[str] | tuple[str, ...], cap: int,
-          budgets: dict[str, int] | None = None, python: str | None = None) -> Verdict:  # fmt: skip
+          python: str | None = None) -> Verdict:  # fmt: skip
     """Decode ``values_data`` (the sample's bytes) and evaluate every check in a trusted child process under
-    ``budgets`` (:data:`.trusted.BUDGETS`); never raises: anything that goes wrong fails every assert with one
-    line."""
+    :data:`.trusted.BUDGETS` (one of a pool, one job at a time each; thread-safe); never raises: anything that goes
+    wrong fails every assert with one line."""
     n = len(splits)
     job = marshal.dumps({"checks": _checks(splits), "test_imports": list(test_imports), "values": values_data,
                          "cap": cap})  # fmt: skip
-    argv = [python or sys.executable, "-I", "-S", "-B", trusted.__file__,
-            *(f"{k}={v}" for k, v in (budgets or {}).items())]  # fmt: skip
+    python = python or sys.executable
 
     def failed(why: str, cpu: float = 0.0) -> Verdict:
         return Verdict(False, (False,) * n, f"trusted side: {why}", False, cpu)
 
+    with _idle_lock:
+        worker = next((w for w in _idle if w.python == python), None)
+        if worker is not None:
+            _idle.remove(worker)
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})  # fmt: skip
+        worker = worker or _Worker(python)
     except OSError as e:
-        return failed(f"cannot start {argv[0]}: {e}")
-    timer = threading.Timer(TRUSTED_TIMEOUT_S, proc.kill)
-    timer.start()
-    out = b""
-    try:
-        try:
-            proc.stdin.write(job)
-            proc.stdin.close()
-        except OSError:  # it died early: its status says why
-            pass
-        out = proc.stdout.read()
-        proc.stdout.close()
-    finally:
-        timer.cancel()
-        # wait4, not proc.wait(): the child's CPU time is the measurement of the trusted side's cost
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            cpu = usage.ru_utime + usage.ru_stime
-        except ChildProcessError:
-            proc.wait()
-            cpu = 0.0
-    if proc.returncode != 0:
-        sig = -proc.returncode
-        if sig in (24, 9) and cpu >= (budgets or BUDGETS).get("cpu_s", BUDGETS["cpu_s"]) - 0.05:  # SIGXCPU/SIGKILL
+        return failed(f"cannot start {python}: {e}")
+    res, cpu, status = worker.run(job)
+    if status is None and worker.jobs < _Worker.JOBS and len(values_data) < _Worker.BIG:
+        with _idle_lock:
+            _idle.append(worker)
+    elif status is None:
+        worker.reap()
+    if status is not None:
+        sig = -status
+        if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and cpu >= BUDGETS["cpu_s"]):
             return failed(f"the values exceed the CPU budget ({cpu:.2f} CPU-s)", cpu)
-        if sig == 9:
+        if sig == signal.SIGKILL:
             return failed(f"killed after {TRUSTED_TIMEOUT_S:g} s of wall clock", cpu)
-        return failed(f"the child exited with status {proc.returncode}", cpu)
+        return failed(f"the child exited with status {status}", cpu)
     try:
-        res = marshal.loads(out)
         verdicts = tuple(bool(v) for v in res["verdicts"]) if res["verdicts"] is not None else (False,) * n
         if len(verdicts) != n:
             raise ValueError("wrong number of verdicts")
         return Verdict(bool(res["ok"]) and all(verdicts), verdicts, str(res["detail"]), bool(res["completed"]), cpu)
-    except (ValueError, EOFError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError) as e:
         return failed(f"unreadable answer ({type(e).__name__})", cpu)
 
 
