@@ -17,6 +17,13 @@ error) or "skipped" (with the reason); a failing stage never stops the next one.
   DeepSpeed is importable (its wheels travel in ``.whl/``, see gpu_check.sh).
 
 ``--dry-run`` runs every stage at toy size on the CPU (compile with the eager backend); the test suite runs it.
+
+After the stages, :func:`beside_predicted` prints each measured number next to the prediction made without a GPU
+(``bench/results/true_shape.json``, ``bench/true_shape.py``): the train stage's peak next to the traced peak of the
+same single-process step (MemTracker under FakeTensorMode, plus the AdamW moments), the nfe stage's ms per NFE next
+to the roofline prediction for H200 (eager: the unfused bound; compiled: fused + kernel launches). It writes
+``<out>/predicted_vs_measured.json``. A dry run does the same with its toy numbers (the ratios mean nothing there;
+the code path is what it checks).
 """
 
 from __future__ import annotations
@@ -260,6 +267,45 @@ def stage_deepspeed(ctx: SimpleNamespace) -> dict:
 
 
 STAGES = {"train": stage_train, "nfe": stage_nfe, "deepspeed": stage_deepspeed}
+PREDICTION = Path(__file__).resolve().parent / "results" / "true_shape.json"
+
+
+def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) -> dict:
+    """Measured (this run's stage JSONs in ``out``) beside the true-shape prediction; printed and returned."""
+    if not prediction.exists():
+        print(f"[gpu_check] no prediction at {prediction}: run python bench/true_shape.py", flush=True)
+        return {"status": "skipped", "reason": f"{prediction} missing"}
+    pred = json.loads(prediction.read_text())
+    suffix = "_dryrun" if dry_run else ""
+    rows: list[dict] = []
+    train_path, nfe_path = out / f"gpu_train{suffix}.json", out / f"gpu_nfe{suffix}.json"
+    traced = {r["layers"]: r for r in pred.get("train", []) if r["model"] == "llada-8b" and "traced_peak" in r}
+    if train_path.exists():
+        for m in json.loads(train_path.read_text()).get("rows", []):
+            t = traced.get(m.get("layers"))
+            want = t["traced_peak"]["Total"] + 4 * t["temporal_params"] if t else None  # + bf16 AdamW m, v
+            rows.append({"what": f"train peak, llada-8b {m.get('layers')}, one process", "unit": "GiB",
+                         "measured": m.get("measured", 0) / 2**30 if m.get("status") == "ok" else None,
+                         "predicted": want / 2**30 if want else None,
+                         "planner": m.get("predicted", 0) / 2**30 or None})  # fmt: skip
+    nfe_pred = {(r["model"], r["batch"], r["cache"]): r for r in pred.get("gpu_check", {}).get("rows", [])}
+    if nfe_path.exists():
+        for m in json.loads(nfe_path.read_text()).get("rows", []):
+            p = nfe_pred.get((m["model"], m["batch"], m["cache"]))
+            for policy in ("threshold", "tdlm"):
+                rows.append({"what": f"ms/NFE {m['model']} b{m['batch']} {m['cache']} {m['mode']} {policy}",
+                             "unit": "ms", "measured": m.get(f"{policy}_ms_per_nfe"),
+                             "predicted": p[f"{policy}_ms_per_nfe"][m["mode"]] if p else None})  # fmt: skip
+    print(f"[gpu_check] measured beside predicted ({prediction.name}; H200 roofline{', dry run' if dry_run else ''}):")
+    for r in rows:
+        ratio = r["measured"] / r["predicted"] if r["measured"] and r["predicted"] else None
+        r["ratio"] = ratio
+        fmt = (lambda v: "   n/a" if v is None else f"{v:8.2f}")  # noqa: E731
+        print(f"  {r['what']:48s} measured {fmt(r['measured'])} {r['unit']:3s} predicted {fmt(r['predicted'])}"
+              + ("" if ratio is None else f"  ratio {ratio:.2f}"), flush=True)  # fmt: skip
+    result = {"status": "ok", "prediction": str(prediction), "dry_run": dry_run, "rows": rows}
+    (out / f"predicted_vs_measured{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    try:
+        beside_predicted(out, args.dry_run)
+    except Exception as e:  # a comparison that cannot be made must not hide the stages' results
+        failed += 1
+        print(f"[gpu_check] measured-beside-predicted failed: {type(e).__name__}: {e}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -8,7 +8,8 @@
 # The GPU machine has torch but no project venv, no DeepSpeed or Ray and no network: the code runs from
 # the working tree with PYTHONPATH=$PWD, and DeepSpeed comes from wheels carried in .whl/ (ignored by git;
 # name it in the device tool's `carry`). Without them the deepspeed stage records "skipped".
-# Budget: under 8 minutes on one H100/H200 (each stage writes its JSON as soon as it ends).
+# Budget: under 8 minutes on one H100/H200 (each stage writes its JSON as soon as it ends). At the end it prints
+# every measured number beside its prediction from bench/results/true_shape.json (bench/true_shape.py, no GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fetch" ]]; then

@@ -1,0 +1,889 @@
+"""The 8B claims checked at the true shape without a GPU (issue 27): traced memory, FLOPs and bytes per NFE,
+and a predicted H200 / GH200 time to hold the first GPU run to.
+
+Everything runs on this CPU under ``FakeTensorMode``: LLaDA-8B-Instruct and Dream-v0-Instruct-7B are built as the
+release configs (``tdlm.training.planner.resolve_backbone``) on the meta device with the adapter of
+``configs/llada_8b.yaml`` / ``configs/dream_7b.yaml``, and their parameters are swapped for fake bf16 CUDA tensors
+(shape, dtype, device; no storage). The library code then runs unchanged; torch's own tools watch its dispatch:
+
+* ``torch.distributed._tools.mem_tracker.MemTracker``: live tensor bytes by category (parameters, gradients,
+  optimizer state, activations, temporaries) and their peak;
+* ``torch.utils.flop_counter.FlopCounterMode``: FLOPs;
+* :class:`Ledger` (a ``TorchDispatchMode``): bytes each op reads and writes, kernel count, the temporal
+  history's own traffic, and the true-shape checks (sequence x vocabulary tensors, float64, int32 offsets).
+
+What is modelled rather than traced, and why:
+
+* **The GPU's attention kernel.** This torch is a CPU build; with fake CUDA tensors its SDPA dispatcher cannot ask
+  a GPU which kernel applies and falls back to the math kernel (fp32 L x L scores). :class:`HostSide` routes
+  ``F.scaled_dot_product_attention`` to the kernel an H100/H200 uses for bf16: flash attention without a mask,
+  memory-efficient attention with one (a boolean mask becomes its additive bias). The aten ops and their
+  meta/backward formulas are torch's own.
+* **Values the host reads.** Fake tensors hold no values: ``nonzero``, a boolean index and ``int(mask.sum())``
+  get the count of the batch's real supervised mask (built with real tensors, as the launcher does); decoding's
+  per-evaluation host read ends the traced evaluation (tests) or is not reached (the bench calls
+  ``TDLM.forward_groups`` / the backbone step at a chosen step of a chosen block).
+* **ZeRO-3 (8 ranks).** DeepSpeed needs a process group and real storages, so the rank's partition of the frozen
+  backbone, the gathered-layer working set, the partitioned gradients, AdamW state and the IPG bucket are the
+  planner's counts of the same meta-built parameters with the DS JSON's knobs (``ds_configs/zero3.json``). What
+  is traced is everything the micro-step itself allocates (activations, recomputation, logits, loss, backward
+  temporaries), which is the same on every rank: one process runs the launcher's step
+  (:func:`tdlm.training.loop.supervised_ce`, then ``backward``) on one rank's micro-batch.
+* **Roofline.** Per op: max(FLOPs / peak, bytes / bandwidth). "eager" counts every op's bytes; "fused" drops the
+  bytes of pointwise ops (inductor folds them into a neighbour), a lower bound for the compiled graph. The launch
+  term is kernels per NFE of the compiled graph (``bench/results/dispatch_count.json``: inductor's generated
+  ``call()`` at width 64, uncached; cached steps scaled by their eager op count) times ``--launch-us``; about 0 with
+  CUDA graphs (``compile="reduce-overhead"``).
+
+Usage:  python bench/true_shape.py [--out bench/results/true_shape.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from tdlm.config import load_config  # noqa: E402
+from tdlm.models.loading import build_backbone  # noqa: E402
+from tdlm.temporal.model import TDLM, StepGroup  # noqa: E402
+from tdlm.training.config import RunConfig  # noqa: E402
+from tdlm.training.ds_config import load_ds_json, uses_activation_checkpointing  # noqa: E402
+from tdlm.training.loop import temporal_config  # noqa: E402
+from tdlm.training.planner import DSKnobs, GiB, inventory, plan, random_batch, resolve_backbone  # noqa: E402
+from tdlm.training.planner.model import BackboneSpec  # noqa: E402
+
+RECIPES = {"llada-8b": ROOT / "configs" / "llada_8b.yaml", "dream-7b": ROOT / "configs" / "dream_7b.yaml"}
+DS_JSON = ROOT / "ds_configs" / "zero3.json"
+# Dense bf16 peak and HBM bandwidth (vendor figures): H200 SXM; GH200's H100 96 GB (the paper's device).
+GPUS = {"h200": {"flops": 989e12, "bw": 4.8e12, "mem": 141e9}, "gh200": {"flops": 989e12, "bw": 4.0e12, "mem": 96e9}}
+PAPER = {"ms_per_nfe": 585.0 / 40.08, "gsm8k_s": 0.585, "nfe": 40.08, "device": "GH200, compiled, batch 1",
+         "source": "paper Table 4, '16, dispersed (main)': 0.585 s for 40.08 NFE"}  # fmt: skip
+LAUNCH_US = 5.0  # per kernel launch of a compiled graph without CUDA graphs (stated assumption)
+INT32_MAX = 2**31 - 1
+# Ops that read only the rows they gather / write only the rows they scatter, not their whole input.
+GATHERS = {"aten.embedding", "aten.index", "aten.gather", "aten.index_select"}
+SCATTERS = {"aten.scatter", "aten.scatter_", "aten.index_put", "aten.index_put_", "aten.scatter_add_",
+            "aten.scatter_add", "aten.copy_", "aten.slice_scatter", "aten.select_scatter"}  # fmt: skip
+NOT_KERNELS = {"aten.detach", "prim.device", "aten._local_scalar_dense", "aten.lift_fresh", "aten.alias"}
+
+
+# -- building the true-shape model ------------------------------------------------------------------------
+def recipe(name: str) -> tuple[RunConfig, dict]:
+    """The paper recipe's run config and the DS JSON it launches with."""
+    return load_config(RunConfig, RECIPES[name]), load_ds_json(DS_JSON)
+
+
+def fake_model(name: str, mode: FakeTensorMode, layers: str | None = None, history: str | None = None,
+               device: str = "cpu", dtype: torch.dtype = torch.bfloat16, depth: int | None = None) -> TDLM:
+    """TDLM on the release architecture ``name`` with the recipe's adapter (``layers`` / ``history`` override it),
+    parameters fake ``dtype`` tensors on ``device``; activation checkpointing as the launcher sets it.
+
+    ``depth`` cuts the backbone to its first ``depth`` blocks (every block has the same shapes; tests only)."""
+    run, ds = recipe(name)
+    spec = resolve_backbone(name)
+    cfg = spec.config
+    if depth is not None:
+        cfg[{"llada": "n_layers", "dream": "num_hidden_layers"}[spec.family]] = depth
+    tc = temporal_config(run)
+    if depth is not None and layers is None:
+        layers = f"dispersed:{max(1, depth // 2)}"
+    tc = dataclasses.replace(tc, **{k: v for k, v in (("layers", layers), ("history", history)) if v is not None})
+    with torch.device("meta"):
+        backbone = build_backbone(spec.family, cfg, spec.name).to(dtype)
+        backbone.backbone_id = name
+        model = TDLM(backbone, tc)
+    # Module.to() cannot swap meta parameters for fake ones (weak references); set them directly.
+    with mode:
+        for mod in model.modules():
+            for key, p in list(mod._parameters.items()):
+                if p is not None:
+                    fake = torch.empty_like(p, device=device)
+                    mod._parameters[key] = nn.Parameter(fake, requires_grad=p.requires_grad)
+    model.activation_checkpointing = uses_activation_checkpointing(ds, run)
+    return model
+
+
+# -- what the host would read, and the GPU's attention kernel ----------------------------------------------
+class HostRead(Exception):
+    """A traced evaluation reached a host read whose value a fake tensor does not have."""
+
+
+class HostSide(TorchFunctionMode):
+    """Values the host reads from fake tensors, and SDPA routed to the GPU kernel (module docstring).
+
+    ``known`` maps id(tensor) -> value for the scalars :class:`Ledger` can name (a supervised mask's sum);
+    any other host read raises :class:`HostRead` (``on_read`` may answer instead)."""
+
+    READS = (torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.tolist, torch.Tensor.__index__)  # fmt: skip
+
+    def __init__(self, known: dict, on_read=None) -> None:
+        super().__init__()
+        self.known, self.on_read = known, on_read
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.READS:
+            t = args[0]
+            if id(t) in self.known:
+                v = self.known[id(t)]
+                return bool(v) if func is torch.Tensor.__bool__ else v
+            if self.on_read is not None:
+                return self.on_read(func, t)
+            raise HostRead(f"{func.__name__} of a {tuple(t.shape)} {t.dtype} tensor")
+        return func(*args, **kwargs)
+
+
+def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The kernel PyTorch's SDPA picks on an H100/H200 for bf16: flash without a mask (grouped-query heads
+    included), memory-efficient attention with one (a boolean mask as its additive 0 / -inf bias)."""
+    if attn_mask is None:
+        # flash reads grouped K/V heads (enable_gqa) in place
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                  scale=scale)[0]  # fmt: skip
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    bias = attn_mask.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout_p, is_causal,
+                                                                  scale=scale)[0]  # fmt: skip
+
+
+# -- the ledger: bytes, kernels, history traffic, checks ---------------------------------------------------
+@dataclasses.dataclass
+class Limits:
+    """What a tensor may be at true shape (the suite's checks): rows x V logits at most ``logit_rows`` x V
+    (the LM head's block / the supervised rows), float64 at most that many elements, no offset past int32."""
+
+    vocab: int
+    logit_rows: int
+    seq_lens: tuple[int, ...] = ()
+
+
+def _unique_bytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches in ``t``: broadcast (stride 0) dims read once, at most the storage."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            n *= size
+    return min(n * t.element_size(), t.untyped_storage().nbytes())
+
+
+_COMPOSITE: dict = {}
+
+
+def _composite(func) -> bool:
+    """An op with only a composite implementation (its parts are the kernels); ops with a backend kernel run it
+    (silu_backward has both: a fused kernel on a device, a decomposition elsewhere)."""
+    if func not in _COMPOSITE:
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        _COMPOSITE[func] = has(func.name(), "CompositeImplicitAutograd") and not any(
+            has(func.name(), k) for k in ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd"))
+    return _COMPOSITE[func]
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return t.storage_offset() + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
+
+
+class Ledger(TorchDispatchMode):
+    """Per op: FLOPs (torch's flop formulas), bytes read and written, kernel or not; traffic on ``watch``ed storages
+    (the temporal history) and on tensors copied from them; violations of :class:`Limits`.
+
+    ``counts`` maps the numel of a boolean mask to its number of True entries (the supervised mask), so that
+    ``nonzero``, a boolean index and a mask's sum get their real sizes."""
+
+    def __init__(self, limits: Limits | None = None, counts: dict[int, int] | None = None,
+                 known: dict | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.limits, self.counts = limits, counts or {}
+        self.known = known if known is not None else {}
+        self._keep: list = []
+        self.ops: list[dict] = []
+        self.violations: list[str] = []
+        # Storages are named by their StorageImpl address (``_cdata``), kept alive by ``_hold`` so that no other
+        # storage can take the address while the trace runs.
+        self.watch: set[int] = set()  # the history's storages
+        self.tainted: set[int] = set()  # storages copied whole from the history
+        self._hold: list = []
+        self.vocab_shapes: set[tuple[int, ...]] = set()  # shapes of the tensors with a vocabulary dim (the head's)
+        # live=True: the tensors this region allocated that are alive, and what was alive at their peak (by op).
+        self.live_on = False
+        self.live: dict[int, tuple[int, str]] = {}
+        self.live_bytes = self.live_peak = 0
+        self.at_peak: dict[str, int] = {}
+
+    def watch_tensors(self, tensors) -> int:
+        """Watch the storages of ``tensors`` (the temporal history); returns their bytes."""
+        self.watch, total = set(), 0
+        for t in tensors:
+            st = t.untyped_storage()
+            if st._cdata not in self.watch:
+                self._hold.append(st)
+                self.watch.add(st._cdata)
+                total += st.nbytes()
+        return total
+
+    def reset(self) -> None:
+        self.ops, self.violations = [], []
+
+    def _check(self, name: str, t: torch.Tensor) -> None:
+        lim = self.limits
+        if lim is None:
+            return
+        if t.numel() and _max_offset(t) > INT32_MAX:
+            self.violations.append(f"{name}: {tuple(t.shape)} {t.dtype} reaches element {_max_offset(t):,} "
+                                   f"(> int32)")  # fmt: skip
+        if lim.vocab in t.shape:
+            self.vocab_shapes.add(tuple(t.shape))
+        if lim.vocab in t.shape and t.numel() > lim.logit_rows * lim.vocab:
+            self.violations.append(f"{name}: {tuple(t.shape)} {t.dtype} holds vocabulary rows beyond the LM head's "
+                                   f"{lim.logit_rows} x {lim.vocab}")  # fmt: skip
+        if t.dtype == torch.float64 and t.numel() > lim.logit_rows * lim.vocab:
+            self.violations.append(f"{name}: float64 {tuple(t.shape)} is larger than the head's logits")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket)
+        if func is torch.ops.aten.nonzero.default and args[0].numel() in self.counts:
+            x = args[0]
+            out = torch.empty((self.counts[x.numel()], x.dim()), dtype=torch.long, device=x.device)
+            self._record(name, args, kwargs, out, func)
+            return out
+        if func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            idx = []
+            for i in args[1]:
+                if i is not None and i.dtype == torch.bool:
+                    nz = self.__torch_dispatch__(torch.ops.aten.nonzero.default, types, (i,))
+                    idx += list(nz.unbind(1))
+                else:
+                    idx.append(i)
+            return self.__torch_dispatch__(func, types, (args[0], idx))
+        # Composite ops that reach the mode undecomposed (aten.linear under inference_mode): count their parts,
+        # as FlopCounterMode does.
+        if func.namespace == "aten" and func is not torch.ops.aten.index.Tensor and _composite(func):
+            with self:  # the parts dispatch through this mode again
+                return func.decompose(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in (torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList) and args[0].dtype == torch.bool \
+                and args[0].numel() in self.counts and out.numel() == 1:  # fmt: skip
+            self.known[id(out)] = self.counts[args[0].numel()]
+            self._keep.append(out)  # its id stays its own while the trace lives
+        self._record(name, args, kwargs, out, func)
+        return out
+
+    def _record(self, name, args, kwargs, out, func) -> None:
+        flat_in = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        flat_out = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        in_st = {a.untyped_storage()._cdata for a in flat_in}
+        inplace = name.endswith("_") or any(a.alias_info is not None and a.alias_info.is_write
+                                            for a in func._schema.arguments)  # fmt: skip
+        view = func.is_view or (not inplace and flat_out and all(o.untyped_storage()._cdata in in_st for o in flat_out))
+        if name in NOT_KERNELS or view:
+            return
+        for o in flat_out:
+            self._check(name, o)
+        if self.live_on:
+            self._track_live(name, flat_out, in_st)
+        if name in GATHERS:
+            idx = [a for a in flat_in[1:] if not a.is_floating_point()]
+            read = sum(_unique_bytes(o) for o in flat_out) + sum(_unique_bytes(i) for i in idx)
+            written = sum(_unique_bytes(o) for o in flat_out)
+            srcs = flat_in[:1]
+        elif name in SCATTERS:
+            small = flat_in[1:]
+            read = sum(_unique_bytes(a) for a in small)
+            written = max([_unique_bytes(a) for a in small if a.is_floating_point() or a.dtype == torch.bool] or [0])
+            srcs = small
+        else:
+            read = sum(_unique_bytes(a) for a in flat_in)
+            written = sum(_unique_bytes(o) for o in flat_out if o.untyped_storage()._cdata not in in_st)
+            if inplace:
+                written += _unique_bytes(flat_in[0])
+            srcs = flat_in
+        flops = 0
+        if func.overloadpacket in flop_registry:
+            flops = flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+        hist_read = sum(_unique_bytes(a) for a in srcs if a.untyped_storage()._cdata in self.watch)
+        hist_written = 0
+        if flat_out or inplace:
+            targets = [flat_in[0]] if (inplace or name in SCATTERS) and flat_in else flat_out
+            hist_written = sum(written for t in targets[:1] if t.untyped_storage()._cdata in self.watch)
+        copy_read = sum(_unique_bytes(a) for a in srcs if a.untyped_storage()._cdata in self.tainted)
+        copy_written = 0
+        if hist_read and name not in GATHERS and flat_out:  # a whole-history pass that writes a copy of it
+            for o in flat_out:
+                if _unique_bytes(o) >= 0.5 * hist_read:
+                    self._hold.append(o.untyped_storage())
+                    self.tainted.add(o.untyped_storage()._cdata)
+                    copy_written += _unique_bytes(o)
+        vocab = self.limits is not None and any(o.dim() and o.shape[-1] == self.limits.vocab for o in flat_out)
+        self.ops.append({"op": name, "flops": int(flops), "read": int(read), "written": int(written),
+                         "out_vocab": vocab,
+                         "pointwise": torch.Tag.pointwise in func.tags, "hist_read": int(hist_read),
+                         "hist_written": int(hist_written), "copy_read": int(copy_read),
+                         "copy_written": int(copy_written)})  # fmt: skip
+
+    def _track_live(self, name: str, outs, in_st) -> None:
+        for o in outs:
+            st = o.untyped_storage()
+            key = st._cdata
+            if key in self.live or key in in_st:
+                continue
+            nb = st.nbytes()
+            label = f"{name} {tuple(o.shape)} {str(o.dtype).removeprefix('torch.')}"
+            self.live[key] = (nb, label)
+            self.live_bytes += nb
+            weakref.finalize(st, self._free, key)
+        if self.live_bytes > self.live_peak:
+            self.live_peak = self.live_bytes
+            agg: dict[str, int] = {}
+            for nb, label in self.live.values():
+                agg[label] = agg.get(label, 0) + nb
+            self.at_peak = dict(sorted(agg.items(), key=lambda kv: -kv[1])[:25])
+
+    def _free(self, key: int) -> None:
+        nb, _ = self.live.pop(key, (0, ""))
+        self.live_bytes -= nb
+
+    def totals(self) -> dict:
+        keys = ("flops", "read", "written", "hist_read", "hist_written", "copy_read", "copy_written")
+        out = {k: sum(o[k] for o in self.ops) for k in keys}
+        out["kernels"] = len(self.ops)
+        out["pointwise_bytes"] = sum(o["read"] + o["written"] for o in self.ops if o["pointwise"])
+        return out
+
+    def roofline_ms(self, gpu: dict, fused: bool) -> float:
+        t = 0.0
+        for o in self.ops:
+            by = 0 if fused and o["pointwise"] else o["read"] + o["written"]
+            t += max(o["flops"] / gpu["flops"], by / gpu["bw"])
+        return 1e3 * t
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def mem_tracker():
+    """torch's MemTracker, made to skip the gradient hooks of frozen parameters: it hooks every parameter of a
+    module it enters, and ``register_hook`` raises on a tensor that needs no gradient (the frozen backbone)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                    self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return FrozenAwareMemTracker()
+
+
+@contextlib.contextmanager
+def tracing(limits: Limits | None = None, counts: dict[int, int] | None = None, on_read=None, memory: bool = True,
+            track=(), flops: bool = True):  # fmt: skip
+    """FlopCounterMode, MemTracker and a :class:`Ledger` over one region, host reads answered by :class:`HostSide`.
+
+    Yields (ledger, flop counter, mem tracker or None); the caller's FakeTensorMode must be active."""
+    known: dict = {}
+    ledger = Ledger(limits, counts, known)
+    counter = FlopCounterMode(display=False) if flops else None
+    mt = mem_tracker() if memory else None
+    if mt is not None and track:
+        mt.track_external(*track)
+    with contextlib.ExitStack() as stack:
+        if mt is not None:
+            stack.enter_context(mt)
+        if counter is not None:
+            stack.enter_context(counter)
+        stack.enter_context(ledger)
+        stack.enter_context(HostSide(known, on_read))
+        # A module attribute, not a TorchFunctionMode: checkpointing recomputes blocks during backward, where the
+        # function-mode stack is not active, and a recomputation must save what the forward saved.
+        stack.enter_context(_patched(F, "scaled_dot_product_attention", gpu_sdpa))
+        yield ledger, counter, mt
+
+
+def peak_by_category(mt) -> dict:
+    """MemTracker's peak snapshot summed over devices: {category: bytes, 'Total': bytes}."""
+    snap = mt.get_tracker_snapshot("peak")
+    out: dict[str, int] = {}
+    for dev in snap.values():
+        for k, v in dev.items():
+            key = k.value if hasattr(k, "value") else str(k)
+            out[key] = out.get(key, 0) + int(v)
+    return out
+
+
+def _tensors(obj, seen=None) -> list[torch.Tensor]:
+    """Every tensor reachable from a cache object (dataclass fields, dicts, lists): whatever layout it uses."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, list | tuple):
+        items = list(obj)
+    else:
+        return []
+    return [t for it in items for t in _tensors(it, seen)]
+
+
+# -- training: one launcher micro-step -------------------------------------------------------------------
+TRAIN_SHAPE = {"micro_batch": 4, "states": 8, "seq_len": 768, "response_len": 256}
+ALLOCATIONS = {"llada-8b": ("dispersed:8", "dispersed:16", "all"), "dream-7b": ("dispersed:8", "middle:14", "all")}
+
+
+def trace_training(name: str, layers: str | None, memory: bool = True, depth: int | None = None,
+                   shape: dict | None = None, flops: bool = True, live: bool = False) -> dict:  # fmt: skip
+    """One micro-step of the launcher (``supervised_ce`` -> ``backward``) at true shape under FakeTensorMode.
+
+    Returns MemTracker's peak by category, the checks' violations and the planner's prediction beside it."""
+    from tdlm.training.loop import supervised_ce
+
+    s = dict(TRAIN_SHAPE, **(shape or {}))
+    B, K, L, N = s["micro_batch"], s["states"], s["seq_len"], s["response_len"]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(name, mode, layers, depth=depth)
+    model.train()
+    real = random_batch(model.backbone, B, K, L, N, seed=0)  # real token ids: the mask and its count are real
+    S = real.num_targets
+    V = model.backbone.vocab_size
+    batch = dataclasses.replace(real, **{k: mode.from_tensor(getattr(real, k))
+                                         for k in ("input_ids", "labels", "attention_mask")})
+    mode.allow_non_fake_inputs = False
+    t0 = time.perf_counter()
+    with mode, tracing(Limits(V, S), {B * K * L: S, S: S}, memory=memory, track=(model,),
+                       flops=flops) as (ledger, fl, mt):  # fmt: skip
+        ledger.live_on = live
+        ce = supervised_ce(model, batch)  # the launcher's step (tdlm/training/loop.py: train_step)
+        (ce / S).backward()
+    out = {"model": name, "layers": layers or "recipe", "layer_ids": model.layer_ids,
+           "temporal_params": model.num_temporal_parameters(), "supervised": S, "shape": s,
+           "checkpointing": model.activation_checkpointing, "violations": ledger.violations[:20],
+           "vocab_shapes": sorted(ledger.vocab_shapes),
+           "trace_s": round(time.perf_counter() - t0, 1), "flops": fl.get_total_flops() if fl else None}  # fmt: skip
+    if mt is not None:
+        out["traced_peak"] = peak_by_category(mt)
+    if live:
+        out["live_peak"], out["live_at_peak"] = ledger.live_peak, ledger.at_peak
+    out["depth"] = depth
+    del ce, batch
+    return out
+
+
+def planner_beside(row: dict, world: int = 8) -> dict:
+    """The planner at the same shape (ZeRO-3 on ``world`` GPUs, the DS JSON's knobs), and the traced peak per GPU:
+    the planner's partitioned static terms (counted) + the traced activations and temporaries."""
+    name, s = row["model"], row["shape"]
+    spec = resolve_backbone(name)
+    if row.get("depth"):  # the cut model of --quick
+        cfg = spec.config | {{"llada": "n_layers", "dream": "num_hidden_layers"}[spec.family]: row["depth"]}
+        spec = BackboneSpec(spec.name, spec.family, json.dumps(cfg, sort_keys=True))
+    ds = load_ds_json(DS_JSON)
+    knobs = DSKnobs.from_ds_config(ds, str(DS_JSON), inventory(spec).backbone.hidden)
+    p = plan(spec, row["layer_ids"], None, None, states=s["states"], seq_len=s["seq_len"],
+             response_len=s["response_len"], supervised=row["supervised"], micro_batch=s["micro_batch"], dtype="bf16",
+             checkpointing=row["checkpointing"], zero=3, world_size=world, knobs=knobs, gpu_mem_gb=96.0)  # fmt: skip
+    pk = row["traced_peak"]
+    act_pred = p.backbone_activations + p.temporal_activations + p.temporal_history + p.logits + p.working
+    act_traced = pk.get("Activation", 0) + pk.get("Temp", 0)
+    traced_total = p.static + act_traced
+    return {
+        "planner_total": p.total, "planner_static": p.static, "planner_activation_side": act_pred,
+        "planner_peak_phase": p.peak_phase, "traced_activation_side": act_traced, "traced_total_per_gpu": traced_total,
+        "activation_ratio": act_traced / act_pred, "total_ratio": traced_total / p.total,
+        "within_10pct": abs(traced_total / p.total - 1) <= 0.10,
+        "planner_components": {k: v for k, v in p.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)},
+    }  # fmt: skip
+
+
+# -- decoding: one evaluation at a chosen step ------------------------------------------------------------
+DECODE = {"prompt": 256, "gen": 256, "block": 32}
+
+
+def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str, block: int, batch: int = 1,
+                 steps_done: int = 0, memory: bool = False, limits: bool = True,
+                 shape: dict | None = None) -> dict:  # fmt: skip
+    """One denoiser evaluation of the decode loop's step kinds at block ``block`` of the response, as
+    ``tdlm.decoding.loop`` issues it: the backbone step (``policy='backbone'``) or ``TDLM.forward_groups``
+    (``'tdlm'``, a history preallocated by ``new_cache(B, length=G)`` after ``steps_done`` evaluations), then
+    the loop's float64 confidence of the block. With a spatial cache the block's refresh runs first and the
+    window step is traced separately (``window`` key); ``eval`` is the refresh / the uncached evaluation."""
+    from tdlm.decoding.loop import _backbone_eval
+    from tdlm.models.kv_cache import KVStep, SpatialKVCache
+
+    shape = shape or DECODE
+    P, G, bs = shape["prompt"], shape["gen"], shape["block"]
+    dev = next(model.parameters()).device
+    L, b = P + G, batch
+    bb = model.backbone
+    V = bb.vocab_size
+    out: dict = {"policy": policy, "cache": cache_mode, "block": block, "batch": b, "steps_done": steps_done,
+                 "history": str(model.policy) if policy == "tdlm" else None}  # fmt: skip
+    with mode, torch.inference_mode(), tracing(Limits(V, b * bs) if limits else None, memory=memory,
+                                               track=(model,), flops=not memory) as (ledger, fl, mt):  # fmt: skip
+        ids = torch.zeros((b, L), dtype=torch.long, device=dev)
+        start = P + block * bs
+        positions = (start + torch.arange(bs, device=dev)).expand(b, bs)
+        cache = None
+        if policy == "tdlm":
+            cache = model.new_cache(b, length=G)
+            cache.steps = steps_done  # the host counter after `steps_done` evaluations
+            if hasattr(cache, "reserve"):  # storage as it stands then (its growth is not this evaluation's work)
+                cache.reserve(steps_done + 1)
+            out["history_bytes"] = ledger.watch_tensors(_tensors(cache))
+        kv_cache = SpatialKVCache(cache_mode, b) if cache_mode != "none" else None
+        kinds = [("eval", KVStep(kv_cache, True) if kv_cache is not None else None)]
+        if kv_cache is not None:
+            kinds.append(("window", None))
+        for kind, step in kinds:
+            if kind == "window":
+                step = KVStep.window(kv_cache, torch.full((b,), start, device=dev), bs, L, bb.logit_shift,
+                                     host_starts=[start] * b)  # fmt: skip
+            ledger.reset()
+            if mt is not None:
+                mt.reset_mod_stats()  # one MemTracker over both forwards (it counts one call per module)
+            f0 = fl.get_total_flops() if fl is not None else 0
+            if policy == "tdlm":
+                logits = model.forward_groups(P, cache, [StepGroup(ids, None, positions, step, None)])[0]
+            else:
+                logits = _backbone_eval(bb, ids, None, positions, step)
+            conf, x0 = torch.log_softmax(logits.double(), dim=-1).max(-1)  # the loop's confidence (float64)
+            del conf, x0, logits
+            tot = ledger.totals()
+            out[kind] = {**tot, "flop_counter": fl.get_total_flops() - f0 if fl is not None else None,
+                         "violations": ledger.violations[:20],
+                         "roofline_ms": {g: {"eager": ledger.roofline_ms(spec, False), "fused":
+                                             ledger.roofline_ms(spec, True)} for g, spec in GPUS.items()}}  # fmt: skip
+        if mt is not None:
+            out["peak"] = peak_by_category(mt)
+            out["kv_cache_bytes"] = kv_cache.nbytes() if kv_cache is not None else 0
+    return out
+
+
+def trace_decode_loop(model: TDLM, mode: FakeTensorMode, cache_mode: str, batch: int = 2,
+                      evaluations: int | None = None) -> dict:  # fmt: skip
+    """``tdlm.decode`` itself (policy tdlm, 256 tokens in blocks of 32 after prompts of up to 256 tokens, the last
+    row shorter: left-padded) traced through its first ``evaluations`` evaluations (default: 1 uncached; 2 with a
+    spatial cache, a refresh then a window step). Host reads are answered with zeros (no row done, block 0) until
+    the LM head has produced that many block logits; the next host read ends the trace."""
+    import tdlm
+
+    G, bs, P = DECODE["gen"], DECODE["block"], DECODE["prompt"]
+    want = evaluations or (1 if cache_mode == "none" else 2)
+    V = model.backbone.vocab_size
+    limits = Limits(V, batch * bs)
+    state = {"answered": 0}
+
+    def heads() -> int:
+        return sum(1 for o in ledger.ops if o["op"] in ("aten.mm", "aten.addmm") and o.get("out_vocab"))
+
+    def on_read(func, t):
+        if heads() >= want or state["answered"] > 64:
+            raise HostRead(f"{func.__name__} after {heads()} head outputs")
+        state["answered"] += 1
+        zero = False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        return torch.full(t.shape, zero).tolist() if func is torch.Tensor.tolist else zero
+
+    prompts = [[3 + (i % 97) for i in range(P - (r == batch - 1) * 17)] for r in range(batch)]
+    ended = None
+    with mode, tracing(limits, memory=False, on_read=on_read, flops=False) as (ledger, _, _):
+        try:
+            tdlm.decode(model, prompts, policy="tdlm", cache=cache_mode, gen_length=G, block_size=bs)
+        except HostRead as e:
+            ended = str(e)
+    return {"cache": cache_mode, "batch": batch, "head_outputs": heads(), "ended_at": ended,
+            "violations": ledger.violations[:20], "vocab_shapes": sorted(ledger.vocab_shapes),
+            "kernels": len(ledger.ops)}  # fmt: skip
+
+
+def _tdlm_at(name: str, mode: FakeTensorMode, history: str, depth: int | None) -> TDLM:
+    model = fake_model(name, mode, history=history, depth=depth)
+    return model.eval()
+
+
+# -- the roofline table -----------------------------------------------------------------------------------
+def compiled_kernels() -> dict:
+    """Kernels per uncached NFE of the compiled graph, measured by bench/dispatch_count.py (``compiled``)."""
+    raw = json.loads((ROOT / "bench" / "results" / "dispatch_count.json").read_text())["compiled"]
+    return {m: {"backbone": v["backbone_kernels_per_nfe"], "tdlm": v["tdlm_kernels_per_nfe"]} for m, v in raw.items()}
+
+
+def step_ms(step: dict, gpu: str, kernels: float, launch_us: float) -> dict:
+    """Predicted ms of one step on ``gpu``: fused roofline (+ launches without CUDA graphs), and the eager bound."""
+    r = step["roofline_ms"][gpu]
+    return {"graphs": r["fused"], "launch": r["fused"] + kernels * launch_us * 1e-3, "eager": r["eager"],
+            "kernels_compiled": kernels}  # fmt: skip
+
+
+def per_nfe(rows: list[dict], ref_kernels: dict, launch_us: float, evals_per_block: float) -> dict:
+    """ms per NFE of each (policy/history, cache) on each GPU, averaged over the traced first and last blocks: an
+    uncached evaluation, or a block's refresh plus ``evals_per_block - 1`` window steps."""
+    out: dict = {}
+    base_ops = {}
+    for r in rows:
+        if r["cache"] == "none":
+            base_ops.setdefault(r["label"], r["eval"]["kernels"])
+    for r in rows:
+        key = (r["label"], r["cache"])
+        kern = ref_kernels["tdlm" if r["policy"] == "tdlm" else "backbone"]
+        scale = kern / base_ops[r["label"]]
+        for gpu in GPUS:
+            e = step_ms(r["eval"], gpu, r["eval"]["kernels"] * scale, launch_us)
+            if "window" in r:
+                w = step_ms(r["window"], gpu, r["window"]["kernels"] * scale, launch_us)
+                avg = {k: (e[k] + (evals_per_block - 1) * w[k]) / evals_per_block for k in e if k != "kernels_compiled"}
+            else:
+                avg = {k: e[k] for k in ("graphs", "launch", "eager")}
+            out.setdefault(key, {}).setdefault(gpu, []).append(avg)
+    return {k: {g: {m: sum(a[m] for a in v) / len(v) for m in ("graphs", "launch", "eager")} for g, v in gv.items()}
+            for k, gv in out.items()}  # fmt: skip
+
+
+def decode_table(name: str, depth: int | None, blocks: tuple[int, ...], nfe: float) -> tuple[list[dict], float]:
+    """Every decode row of the roofline table for ``name``: backbone / TDLM full / TDLM last:32 x none / prefix /
+    dual x first / last block, batch 1; the last block after ``nfe - 1`` evaluations (the paper's run)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _tdlm_at(name, mode, "full", depth)
+    rows = []
+    t0 = time.perf_counter()
+    for label, policy, history in (("backbone", "backbone", None), ("tdlm full", "tdlm", "full"),
+                                   ("tdlm last:32", "tdlm", "last:32")):  # fmt: skip
+        if history is not None:
+            model.set_history(history)
+        for cache in ("none", "prefix", "dual"):
+            for blk in blocks:
+                steps = 0 if blk == 0 else int(round(nfe)) - 1
+                r = trace_decode(model, mode, policy, cache, blk, 1, steps)
+                r["label"] = label
+                rows.append(r)
+                print(f"  [{time.perf_counter() - t0:6.0f} s] {name} {label:13s} {cache:6s} block {blk}: "
+                      f"{r['eval']['roofline_ms']['h200']['fused']:.2f} ms fused (H200)"
+                      + (f", window {r['window']['roofline_ms']['h200']['fused']:.2f}" if "window" in r else ""),
+                      flush=True)  # fmt: skip
+    return rows, time.perf_counter() - t0
+
+
+def decode_memory(name: str, depth: int | None, budget: float, reserve: float) -> dict:
+    """MemTracker's peak of one evaluation at the last step of a 256-token response (255 evaluations before it,
+    one token each: the fullest history): batch 1 and 8, cache none / dual, history full / last:32, backbone
+    (generation's teacher decoding) and TDLM; and the largest generation batch that fits ``budget`` bytes."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _tdlm_at(name, mode, "full", depth)
+    G = DECODE["gen"]
+    rows = []
+    for policy, history in (("backbone", None), ("tdlm", "full"), ("tdlm", "last:32")):
+        if history is not None:
+            model.set_history(history)
+        for cache in ("none", "dual"):
+            for b in (1, 8):
+                r = trace_decode(model, mode, policy, cache, G // DECODE["block"] - 1, b, G - 1, memory=True,
+                                 limits=False)  # fmt: skip
+                rows.append({k: r[k] for k in ("policy", "cache", "batch", "history", "peak", "kv_cache_bytes")}
+                            | {"history_bytes": r.get("history_bytes", 0)})  # fmt: skip
+    # Generation (configs/gen_*.yaml): backbone, cache none. Peak = parameters + a + b B (linear in B).
+    gen = {r["batch"]: r["peak"]["Total"] for r in rows if r["policy"] == "backbone" and r["cache"] == "none"}
+    slope = (gen[8] - gen[1]) / 7
+    fixed = gen[1] - slope
+    b_max = int((budget - reserve - fixed) // slope)
+    check = trace_decode(model, mode, "backbone", "none", G // DECODE["block"] - 1, b_max, G - 1, memory=True,
+                         limits=False)["peak"]["Total"]  # fmt: skip
+    return {"rows": rows, "generation": {"budget_bytes": budget, "reserve_bytes": reserve, "per_row_bytes": slope,
+                                         "fixed_bytes": fixed, "max_batch": b_max, "peak_at_max_batch": check,
+                                         "fits": check + reserve <= budget}}  # fmt: skip
+
+
+GPU_CHECK = {"prompt": 256, "gen": 64, "block": 32}  # bench/gpu_check.py's nfe stage
+
+
+def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launch_us: float) -> list[dict]:
+    """Predicted ms per NFE for the settings bench/gpu_check.py measures (prompt 256 + 64 in blocks of 32, random
+    weights: one token per evaluation, so 32 evaluations per block): backbone (threshold) and TDLM (the recipe's
+    allocation), batch 1 and 8, cache none / dual; eager = the unfused bound, compiled = fused + launches."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _tdlm_at(name, mode, "full", depth)
+    bs = GPU_CHECK["block"]
+    rows = []
+    for batch in (1, 8):
+        for cache in ("none", "dual"):
+            row = {"model": name, "batch": batch, "cache": cache}
+            for policy in ("threshold", "tdlm"):
+                steps = []
+                for blk in range(GPU_CHECK["gen"] // bs):
+                    r = trace_decode(model, mode, "tdlm" if policy == "tdlm" else "backbone", cache, blk, batch,
+                                     blk * bs + bs // 2, limits=False, shape=GPU_CHECK)  # fmt: skip
+                    steps.append(r)
+                base = trace_decode(model, mode, "tdlm" if policy == "tdlm" else "backbone", "none", 0, batch, 0,
+                                    limits=False, shape=GPU_CHECK)["eval"]["kernels"]  # fmt: skip
+                scale = ref_kernels["tdlm" if policy == "tdlm" else "backbone"] / base
+                pred = {}
+                for mode_name, key in (("eager", "eager"), ("compiled", "launch")):
+                    per = []
+                    for r in steps:
+                        e = step_ms(r["eval"], "h200", r["eval"]["kernels"] * scale, launch_us)[key]
+                        if "window" in r:
+                            w = step_ms(r["window"], "h200", r["window"]["kernels"] * scale, launch_us)[key]
+                            e = (e + (bs - 1) * w) / bs
+                        per.append(e)
+                    pred[mode_name] = sum(per) / len(per)
+                row[f"{policy}_ms_per_nfe"] = pred
+            rows.append(row)
+            print(f"  gpu_check setting {name} b{batch} {cache}: threshold {row['threshold_ms_per_nfe']['eager']:.2f} "
+                  f"eager / {row['threshold_ms_per_nfe']['compiled']:.2f} compiled; tdlm "
+                  f"{row['tdlm_ms_per_nfe']['eager']:.2f} / {row['tdlm_ms_per_nfe']['compiled']:.2f} ms (H200)",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "true_shape.json"))
+    ap.add_argument("--quick", action="store_true", help="4 blocks deep (shapes per block unchanged): a smoke run")
+    ap.add_argument("--models", default="llada-8b,dream-7b")
+    ap.add_argument("--launch-us", type=float, default=LAUNCH_US, help="µs per kernel launch without CUDA graphs")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: train, memory, nfe, gpu_check")
+    args = ap.parse_args(argv)
+    from benchlib import machine, write_result
+
+    depth = 4 if args.quick else None
+    skip = set(filter(None, args.skip.split(",")))
+    models = args.models.split(",")
+    result: dict = {"machine": machine(), "quick": args.quick, "gpus": GPUS, "paper": PAPER,
+                    "launch_us": args.launch_us, "decode_shape": DECODE, "train_shape": TRAIN_SHAPE,
+                    "method": "FakeTensorMode at true shape; MemTracker, FlopCounterMode, Ledger (bench/true_shape.py "
+                              "docstring: what is traced and what is modelled)"}  # fmt: skip
+    t0 = time.perf_counter()
+    if "train" not in skip:
+        result["train"] = []
+        print("training micro-step (launcher path), traced peak vs planner (ZeRO-3, 8 GPUs, ds_configs/zero3.json):")
+        print(f"{'model':9s} {'layers':13s} {'traced act+tmp':>14s} {'planner act':>11s} {'traced/GPU':>10s} "
+              f"{'planner/GPU':>11s} {'ratio':>6s}  planner peak at")  # fmt: skip
+        for name in models:
+            for alloc in ALLOCATIONS[name]:
+                if depth is not None:
+                    alloc = "dispersed:2"
+                # FLOPs in another pass: FlopCounterMode's module hooks keep every module output alive until
+                # backward, which would undo activation checkpointing in the memory trace.
+                row = trace_training(name, alloc, depth=depth, flops=False)
+                row |= planner_beside(row)
+                result["train"].append(row)
+                print(f"{name:9s} {alloc:13s} {row['traced_activation_side'] / GiB:14.2f} "
+                      f"{row['planner_activation_side'] / GiB:11.2f} {row['traced_total_per_gpu'] / GiB:10.2f} "
+                      f"{row['planner_total'] / GiB:11.2f} {row['total_ratio']:6.3f}  {row['planner_peak_phase']}"
+                      f"  [{row['trace_s']:.0f} s]", flush=True)  # fmt: skip
+                if depth is not None:
+                    break
+    if "memory" not in skip:
+        result["decode_memory"] = {}
+        h200 = GPUS["h200"]["mem"]
+        for name in models:
+            mem = decode_memory(name, depth, h200, 2 * GiB)
+            result["decode_memory"][name] = mem
+            print(f"\ndecode memory, {name}, last step of a 256-token response (MemTracker peak, GiB):")
+            for r in mem["rows"]:
+                print(f"  {r['policy']:8s} {r['history'] or '-':8s} cache {r['cache']:5s} batch {r['batch']}: "
+                      f"{r['peak']['Total'] / GiB:7.2f} (history {r['history_bytes'] / GiB:.2f}, "
+                      f"spatial KV {r['kv_cache_bytes'] / GiB:.2f})")  # fmt: skip
+            g = mem["generation"]
+            print(f"  generation (backbone, no cache): {g['per_row_bytes'] / 2**20:.1f} MiB per row -> largest batch "
+                  f"in 141 GB with 2 GiB reserve: {g['max_batch']} (traced there: {g['peak_at_max_batch'] / GiB:.1f} "
+                  f"GiB, fits {g['fits']})")  # fmt: skip
+    if "nfe" not in skip:
+        kernels = compiled_kernels()
+        evals_per_block = PAPER["nfe"] / (DECODE["gen"] / DECODE["block"])
+        blocks = (0, DECODE["gen"] // DECODE["block"] - 1)
+        result["nfe"] = {}
+        for name in models:
+            rows, secs = decode_table(name, depth, blocks, PAPER["nfe"])
+            avg = per_nfe(rows, kernels[name], args.launch_us, evals_per_block)
+            result["nfe"][name] = {"rows": rows, "trace_s": secs, "evals_per_block": evals_per_block,
+                                   "per_nfe_ms": {f"{k[0]}|{k[1]}": v for k, v in avg.items()},
+                                   "compiled_kernels": kernels[name],
+                                   "compiled_kernels_source": "bench/results/dispatch_count.json"}  # fmt: skip
+        result["table"] = summary_table(result, models)
+    if "gpu_check" not in skip:
+        kernels = compiled_kernels()
+        result["gpu_check"] = {"shape": GPU_CHECK, "gpu": "h200", "rows": [
+            r for name in models for r in gpu_check_predictions(name, depth, kernels[name], args.launch_us)]}
+    result["seconds"] = time.perf_counter() - t0
+    write_result(args.out, result)
+    return 0
+
+
+def summary_table(result: dict, models: list[str]) -> list[dict]:
+    """One row per (model, cache): predicted ms/NFE for backbone and TDLM (full / last:32) on H200 and GH200,
+    TDLM's overhead, the history's traffic per NFE against its size, predicted GSM8K seconds (paper NFE x ms)."""
+    out = []
+    hdr = (f"{'model':9s} {'cache':6s} {'history':8s} {'GPU':6s} {'bb ms':>7s} {'tdlm ms':>8s} {'ovh %':>6s} "
+           f"{'ovh % CG':>8s} {'hist read/size':>14s} {'copies/size':>11s} {'GSM8K s':>8s}")  # fmt: skip
+    print("\npredicted per NFE (fused roofline + compiled launches; CG = with CUDA graphs), batch 1, prompt 256 + 256")
+    print(hdr)
+    for name in models:
+        nfe = result["nfe"][name]
+        avg = nfe["per_nfe_ms"]
+        for cache in ("none", "prefix", "dual"):
+            for hist in ("full", "last:32"):
+                tdlm_rows = [r for r in nfe["rows"] if r["label"] == f"tdlm {hist}" and r["cache"] == cache]
+                size = max(r["history_bytes"] for r in tdlm_rows)
+                steps = [r[k] for r in tdlm_rows for k in ("eval", "window") if k in r]
+                h_read = max(s["hist_read"] for s in steps)
+                copies = max(s["copy_read"] + s["copy_written"] for s in steps)
+                for gpu in GPUS:
+                    bb, td = avg[f"backbone|{cache}"][gpu], avg[f"tdlm {hist}|{cache}"][gpu]
+                    row = {"model": name, "cache": cache, "history": hist, "gpu": gpu,
+                           "backbone_ms": bb["launch"], "tdlm_ms": td["launch"],
+                           "backbone_ms_cuda_graphs": bb["graphs"], "tdlm_ms_cuda_graphs": td["graphs"],
+                           "backbone_ms_eager_bound": bb["eager"], "tdlm_ms_eager_bound": td["eager"],
+                           "overhead": td["launch"] / bb["launch"] - 1,
+                           "overhead_cuda_graphs": td["graphs"] / bb["graphs"] - 1,
+                           "history_bytes": size, "history_read_max": h_read, "history_copies_max": copies,
+                           "history_reads_per_size": h_read / size if size else 0.0,
+                           "gsm8k_s": PAPER["nfe"] * td["launch"] * 1e-3}  # fmt: skip
+                    out.append(row)
+                    print(f"{name:9s} {cache:6s} {hist:8s} {gpu:6s} {bb['launch']:7.2f} {td['launch']:8.2f} "
+                          f"{100 * row['overhead']:6.2f} {100 * row['overhead_cuda_graphs']:8.2f} "
+                          f"{row['history_reads_per_size']:14.2f} {copies / size if size else 0:11.3f} "
+                          f"{row['gsm8k_s']:8.3f}")  # fmt: skip
+    print(f"paper ({PAPER['device']}): {PAPER['ms_per_nfe']:.1f} ms/NFE, GSM8K {PAPER['gsm8k_s']} s at "
+          f"{PAPER['nfe']} NFE")  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
