@@ -80,16 +80,28 @@ def test_a_padded_batch_with_split_refreshes_compiles_and_decodes_like_eager():
 
 
 @pytest.mark.parametrize("cache,bound", [("none", 1), ("prefix", 4), ("dual", 3)])
-def test_a_256_token_decode_recompiles_a_fixed_number_of_times(cache, bound):
+def test_a_256_token_decode_recompiles_a_fixed_number_of_times(cache, bound, monkeypatch):
     """Batch 1, 256 tokens in blocks of 32 (8 blocks): the graphs stay within the bound of decode's docstring
     (uncached 1; dual: refresh, window, in-place refresh = 3; prefix: + the window once more with a dynamic
-    width = 4), not growing with steps or blocks; tokens equal eager's; a second decode compiles nothing."""
+    width = 4), not growing with steps, blocks or the history's storage buckets (8, 16, 32 ... slots: the slot
+    count is marked dynamic, so every bucket runs the same graph); tokens equal eager's; a second decode compiles
+    nothing."""
+    from tdlm.temporal.history import TemporalCache
+
     bb = sharp_backbone("tiny-llada")
     model = live_tdlm(bb, history="full")
     kw = dict(policy="tdlm", cache=cache, gen_length=256, block_size=32, threshold=0.6)
     eager = decode(model, [[3, 4, 40, 41, 42]], **kw)
     assert eager[0].nfe > 256 // 32, "too few evaluations to show the bound"
+    capacities, reserve = set(), TemporalCache.reserve
+
+    def recording(self, evaluations):
+        reserve(self, evaluations)
+        capacities.add(self.capacity)
+
+    monkeypatch.setattr(TemporalCache, "reserve", recording)
     assert _key(decode(model, [[3, 4, 40, 41, 42]], compile="eager", **kw)) == _key(eager)
+    assert len(capacities) >= 2 and min(capacities) == 8, capacities  # the storage grew through buckets
     first = _graphs()
     assert 1 <= first <= bound, first
     decode(model, [[3, 4, 50, 51, 52]], compile="eager", **kw)

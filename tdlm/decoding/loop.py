@@ -287,9 +287,10 @@ def decode(
     TDLM's own backbone if one is given).
 
     The step is static: within a block every evaluation has the same shapes (the LM head gathers the
-    block's positions by index, the temporal history is preallocated with C = gen_length slots, or k for
-    ``last:k``, and its validity is a mask; padding is an always-present mask, or None when no row is
-    padded). The host reads the device once per evaluation: the stop check, which also brings back each
+    block's positions by index, the temporal history is stored in the attention's layout in buckets of 8, 16,
+    32, ... slots up to gen_length, or k for ``last:k``, with the slot count marked dynamic for the compiler,
+    and its validity is a mask; padding is an always-present mask, or None when no row is padded).
+    The host reads the device once per evaluation: the stop check, which also brings back each
     row's next active block (the host decides refresh / window from it) and its masked count (progress).
     ``record_states=True`` adds a read of the states. With ``compile`` each step kind is one
     ``fullgraph=True`` graph: backbone / TDLM x {uncached, refresh, prefix window, dual window} x
@@ -297,8 +298,9 @@ def decode(
     Per decode of one request batch a kind compiles at most twice more: once when its first call differs
     (the spatial KV cache's first refresh allocates its storage; a prefix window's width changes with the
     block, after which dynamo makes it dynamic) and once when rows leave the batch (the batch size becomes
-    dynamic). So batch 1, 256 tokens in blocks of 32: at most 3 graphs uncached, 4 with a cache, whatever
-    the number of steps or blocks. ``seconds`` exclude compilation: the wall time of every evaluation
+    dynamic); the history's bucket changes compile nothing (its slot count is dynamic from the start). So batch
+    1, 256 tokens in blocks of 32: at most 3 graphs uncached, 4 with a cache, whatever the number of steps, blocks
+    or buckets. ``seconds`` exclude compilation: the wall time of every evaluation
     during which a graph was compiled is subtracted (with ``reduce-overhead`` the CUDA graph recording of
     the first calls is not: decode once to warm up, then time).
     """
