@@ -14,19 +14,19 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    builtin, imported nor the reference's) is refused when MBPP loads, before anything is decoded. The values
    come back through a strict serialiser of builtins (never unpickled). No completion token: exiting early only
    loses values.
-2. **A bounded trusted side.** The evaluator's process never parses the sample's bytes: a short-lived child
-   (``python -I -S -B trusted.py``, no candidate code) decodes them and evaluates the asserts under budgets:
-   nesting 64, 200,000 elements, 4,096 hex digits per int, RLIMIT_CPU 1 s (SIGXCPU; SIGKILL at 2 s), RLIMIT_AS
-   1 GiB, a wall clock. Any failure there fails that sample with one line (``Score.detail``); nothing raises into
-   ``score_many``. Worst case measured by ``bench/sandbox_throughput.py``: a 4 MiB set of hash-colliding ints
-   costs the evaluator about 1 CPU-s.
+2. **A bounded trusted side.** The evaluator's process never parses the sample's bytes: a trusted child
+   (``python -I -S -B trusted.py``, one of a small reused pool, no candidate code) decodes them and evaluates the
+   asserts under budgets: nesting 64, 200,000 elements, 4,096 hex digits per int, 1 CPU-s per sample
+   (``ITIMER_PROF`` with its default action: the process ends even inside one long C call, and a fresh one
+   replaces it), RLIMIT_AS 1 GiB, a wall clock. Any failure there fails that sample with one line
+   (``Score.detail``); nothing raises into ``score_many``. Worst case measured by ``bench/sandbox_throughput.py``:
+   4 MiB of hash-colliding ints cost the evaluator 1.09 CPU-s.
 3. **Nothing to read.** A new root (bubblewrap, or the in-house mount namespace + ``pivot_root``) holding only the
    interpreter's binary, loader, shared libraries and stdlib, read-only (:func:`.host.interpreter_files`); a
-   size- and inode-capped tmpfs ``/tmp`` (cwd, HOME) and ``/dev/shm`` (under bubblewrap mounted by the launcher,
-   whose ``--tmpfs`` has no inode limit); ``/dev/{null,zero,full,random,urandom}``; a ``/proc`` of its own PID
-   namespace. New network (no interface but a down loopback, no abstract sockets of the host), IPC and UTS
-   namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files; results get
-   :func:`.verdict.excerpt` (one escaped line) only.
+   size-capped tmpfs ``/tmp`` (cwd, HOME) and ``/dev/shm``; ``/dev/{null,zero,full,random,urandom}``; a ``/proc``
+   of its own PID namespace. New network (no interface but a down loopback, no abstract sockets of the host), IPC
+   and UTS namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files; results
+   get :func:`.verdict.excerpt` (one escaped line) only.
 4. **Nothing past the namespaces.** Seccomp (``pyseccomp`` builds the BPF; bwrap ``--seccomp`` or the launcher's
    ``prctl`` installs it) denies ``ptrace``, ``keyctl``, ``setns``, ``mount``, ``unshare`` and relatives
    (:data:`.host.DENIED_SYSCALLS`), ``clone`` with any ``CLONE_NEW*`` flag (no nested user namespace with its
@@ -37,7 +37,9 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    + cpuacct) bounds memory (tmpfs, memfd and shm pages included), tasks, and CPU time (polled, the whole tree
    killed past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp
    refuses ``fork`` / ``vfork`` / non-thread ``clone`` and ``memfd_create``, so per-process rlimits are the
-   aggregate. The files of the tmpfs are bounded by its inode limit (or a kernel-memory-charging cgroup); where
+   aggregate. The files of the tmpfs (kernel memory, no tmpfs bytes) are bounded by a cgroup that charges kernel
+   memory (v2, or v1 with kmem accounting), else by an inode limit: the in-house root's tmpfs has one, and under
+   bubblewrap (whose ``--tmpfs`` has none) the launcher mounts inode-limited ones for bwrap to bind; where
    neither holds, ``limits`` is missing. :attr:`SandboxResult.mechanism` records which applied.
 6. **Fail closed.** :func:`require_sandbox` raises one line (what the kernel refused, how to get it) when any of
    :data:`GUARANTEES` is missing, unless ``allow_weak``; then every result's ``weakened`` names what is missing.

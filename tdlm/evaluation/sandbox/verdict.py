@@ -13,10 +13,11 @@ come back and evaluates the rest, under budgets.
   set((4,))``; ``f(x).startswith("PY")`` sends ``f(x)`` only. A shape the grammar cannot split (a call whose
   arguments use names the assert binds, ``is`` between the candidate's values ...) raises :class:`TDLMError`
   before anything runs; MBPP refuses such a task when it loads.
-- :func:`judge` runs :mod:`.trusted` as a child process (``python -I -S -B``, RLIMIT_CPU / RLIMIT_AS, a wall
-  clock) on the sample's bytes: strict decoding of tagged builtins with depth / element / digit budgets, then
-  each check with the real builtins and the ``test_imports`` modules. Any failure there fails the sample with
-  one line; nothing raises into the caller, and the evaluator's own process never parses the sample's values.
+- :func:`judge` hands the sample's bytes to :mod:`.trusted` in a child process (``python -I -S -B``, one of a
+  reused pool; a CPU timer per job, RLIMIT_AS, a wall clock; a process that dies is replaced): strict decoding
+  of tagged builtins with depth / element / digit budgets, then each check with the real builtins and the
+  ``test_imports`` modules. Any failure there fails the sample with one line; nothing raises into the caller,
+  and the evaluator's own process never parses the sample's values.
 
 Sample side: :data:`DRIVER` runs as ``python -I -S -B -c DRIVER`` inside the sandbox. It reads ``main.py`` and the
 calls from an inherited file, runs the program as module ``__main__``, then for each call looks its root up in
