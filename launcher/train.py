@@ -57,6 +57,7 @@ def _quiet_unless_rank0():
 def _peer_exit(stop, message: str) -> int:
     """A rank > 0 with an input error: rank 0 prints the same one line, and the launcher then ends this rank
     (SIGTERM, a stop request). Only if that never comes is the message printed here, naming the rank."""
+    stop.immediate = False  # this exit is an input error's (2), not a stop's
     deadline = time.monotonic() + PEER_REPORT_WAIT_S
     while time.monotonic() < deadline and not stop.requested:
         time.sleep(0.1)
@@ -68,7 +69,10 @@ def _peer_exit(stop, message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     from tdlm.training.run_dir import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, STOP, Stopped, stop_with_launcher
 
-    stop = STOP.install(_EARLY[0] if _EARLY else None)
+    stop = STOP.install()
+    stop.immediate = True  # nothing written yet: a stop ends the process (tdlm.training.run_dir.StopRequest)
+    if _EARLY:
+        stop.handler(_EARLY[0])
     from tdlm.errors import TDLMError
 
     stop_with_launcher()  # if the deepspeed / torchrun process above this rank dies, this rank stops (checkpoint)
@@ -80,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
             from tdlm.training.launch import parse_launch, preflight_before_work
 
             launch = parse_launch(argv, __doc__)
+            if launch.resume:
+                stop.hint = "resume with --resume"
             preflight_before_work(launch)
     except SystemExit as e:  # argparse: usage or --help, printed by rank 0 only
+        stop.immediate = False
         code = e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
         if RANK != 0 and code:
             lines = (err.getvalue() if err is not None else "").strip().splitlines()
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except TDLMError as e:
         if RANK != 0:
             return _peer_exit(stop, f"error: {e}")
+        stop.immediate = False
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     try:
@@ -102,15 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         train(launch.run, launch.ds_raw, resume=launch.resume, source=launch.source, ds_source=launch.ds_path,
               allow_recipe_change=launch.allow_recipe_change)
     except Stopped as e:
+        stop.immediate = False
         if RANK == 0:
             print(e.message, file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     except TDLMError as e:
+        stop.immediate = False
         if RANK == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return EXIT_BAD_INPUT
         return _peer_exit(stop, f"error: {e}")
     except Exception as e:
+        stop.immediate = False
         if not stop.requested:
             raise
         # Stopping, a peer rank ended first (its collective broke): one line, not a gloo traceback.

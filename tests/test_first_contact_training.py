@@ -199,3 +199,33 @@ def test_the_update_boundary_decides_timed_checkpoints_and_stops(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split("\n")[:4] == ["(0, False)", "(0, True)", "(0, False)", f"({int(signal.SIGUSR1)}, False)"]
+
+
+def test_ctrl_c_while_the_ranks_meet_ends_at_once_with_one_line(tmp_path):
+    """SIGINT while rank 0 waits in the rendezvous for a rank that never comes (a blocking call that never returns to
+    Python): nothing is saved yet, so the process ends itself within seconds, with one line and status 75, instead
+    of waiting out the rendezvous timeout."""
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
+    from tdlm.training.run_dir import EXIT_PREEMPTED
+
+    traj = tmp_path / "traj"
+    ensure_toy_trajectories(traj, "tiny-arith", n=4)
+    out = tmp_path / "run"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "DS_ACCELERATOR": "cpu", "RANK": "0",
+                        "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(29700 + os.getpid() % 200)}
+    proc = subprocess.Popen([sys.executable, str(REPO / "launcher" / "train.py"), "--ds", str(Z3), "--output-dir",
+                             str(out), f"data.trajectories={traj}", "train.micro_batch_size=2", "data.states=2"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / ".lock").exists():  # rank 0 holds the folder: validation passed, set-up begins
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(3)  # into deepspeed.init_distributed, waiting for rank 1
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_PREEMPTED and time.monotonic() - t0 < 15, err[-2000:]
+    lines = [line for line in err.splitlines() if "before the first update" in line]
+    assert lines == ["interrupted (SIGINT) before the first update; nothing saved; run the same command again"], err
+    assert "Traceback" not in err and not (out / "run_config.json").exists()

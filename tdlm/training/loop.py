@@ -296,6 +296,7 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
         sess.start_step = load_checkpoint(sess)
         sess.saved_step = sess.start_step
     sess.saved_at = time.monotonic()
+    STOP.immediate = False  # from here on a stop waits for the first update boundary and checkpoints there
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         if resume and allow_recipe_change and (out / "run_config.json").exists():

@@ -251,10 +251,28 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        # Until training has written anything (set by the launcher, cleared by setup before the run files): nothing
+        # to save, and the rank may sit in a blocking call (the rendezvous, a load) that never returns to Python if
+        # a peer is gone, so a stop ends the process itself a second later.
+        self.immediate = False
+        self.hint = "run the same command again"
+        self._ending = False
 
     def handler(self, signum: int, frame: object = None) -> None:
         if self.signum is None:  # Ctrl-C under deepspeed: SIGINT, then the launcher's SIGTERM; the first counts
             self.signum = signum
+        if self.immediate and not self._ending:
+            self._ending = True
+            threading.Thread(target=self._end_soon, name="tdlm-stop", daemon=True).start()
+
+    def _end_soon(self, delay: float = 1.0) -> None:
+        time.sleep(delay)  # the main thread usually gets there first (Stopped, or an input error's exit)
+        if not self.immediate or self.signum is None:
+            return
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{stop_verb(self.signum)} ({signal_name(self.signum)}) before the first update; nothing saved; "
+                  f"{self.hint}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PREEMPTED)
 
     def install(self, pending: int | None = None) -> StopRequest:
         """Take over the stop signals (main thread only); ``pending`` = a signal caught before this was possible."""
