@@ -201,6 +201,7 @@ def test_the_update_boundary_decides_timed_checkpoints_and_stops(tmp_path):
     assert proc.stdout.split("\n")[:4] == ["(0, False)", "(0, True)", "(0, False)", f"({int(signal.SIGUSR1)}, False)"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_ranks_meet_ends_at_once_with_one_line(tmp_path):
     """SIGINT while rank 0 waits in the rendezvous for a rank that never comes (a blocking call that never returns to
     Python): nothing is saved yet, so the process ends itself within seconds, with one line and status 75, instead
