@@ -410,6 +410,26 @@ def test_planner_flag_mistake_is_one_line_with_did_you_mean_before_any_heavy_imp
     assert err.count("\n") == 1 and "invalid choice 'bf61' (choose from bf16, fp32); did you mean 'bf16'?" in err
 
 
+def test_the_package_facades_are_lazy_so_a_cli_mistake_costs_no_torch_import():
+    """``python -m tdlm.training.planner`` with a wrong flag, in a fresh interpreter: the one line comes without
+    torch or DeepSpeed ever being imported (the facades ``tdlm``, ``tdlm.training``, ``tdlm.training.planner``
+    resolve names on first use), and the facade's names still resolve."""
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['planner', '--gpu-memory', '80']\n"
+        "try:\n    runpy.run_module('tdlm.training.planner', run_name='__main__')\n"
+        "except SystemExit as e:\n    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules)\n"
+        "import tdlm, tdlm.training, tdlm.training.planner as pl\n"
+        "ok = callable(tdlm.decode) and tdlm.tokenizer.__name__ == 'tdlm.data.tokenizer' and callable(pl.plan)\n"
+        "print('RESULT', code, heavy, ok, 'decode' in dir(tdlm))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "did you mean --gpu-mem?" in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "RESULT 2 [] True True", out.stdout
+
+
 def test_planner_flag_tables_mirror_the_modules():
     """cli.py lists presets, dtypes and DeepSpeed defaults as literals (no import before parsing); they must equal
     the values in the modules they mirror."""
