@@ -56,7 +56,11 @@ class GenerationConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     shard_size: int = 256  # prompts per shard: shard i holds prompts [i*S, (i+1)*S)
     # run settings (may change on resume)
-    batch_size: int = 16  # prompts per tdlm.decode call inside an actor
+    # prompts per tdlm.decode call inside an actor (at most a shard's). The largest backbone batch one H200 (141 GB,
+    # 2 GiB reserve) holds with its replica at prompt 256 + 256 tokens, rounded down to a multiple of 64: 1,409 for
+    # Dream-7B, 1,684 for LLaDA-8B (bench/results/true_shape.json, decode_memory.*.generation). policy 'tdlm' with
+    # history 'full' keeps ~1 GiB of history per row at 8B: lower it there.
+    batch_size: int = 1408
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); tokens equal
     compile: bool | str = DecodeConfig.compile
     actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
