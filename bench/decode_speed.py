@@ -22,8 +22,9 @@ Commands (from the repository root, venv active)::
 TDLM x eager / compiled (``compile=True``: inductor, fullgraph) decode the same request batch once per round, in
 an order rotated every round, after untimed warm-ups (a whole decode each, so compiled rows exclude compilation).
 One torch thread; process CPU seconds (robust to other processes on a shared machine; wall seconds are kept
-too). Time per evaluation = seconds / evaluations of the batch (the largest NFE of its rows). Reported: TDLM /
-backbone per evaluation as min/min and as the median of per-round ratios, and compiled / eager.
+too). Time per NFE = seconds / the rows' mean NFE (:func:`batch_nfe`: one evaluation of the whole batch; rows
+leave when done, so seconds / evaluations would favour the method whose rows finish late). Reported: TDLM /
+backbone per NFE as min/min and as the median of per-round ratios, and compiled / eager.
 
 **Targets** (issue 26): TDLM <= 1.15x the backbone per evaluation on ``tiny``, eager and compiled; <= 1.10x on
 ``medium``, uncached and dual; compiled never slower than eager for TDLM. The verdict uses min/min.
@@ -72,12 +73,18 @@ def tiny_setting(adapter: Path, batch: int) -> dict:
                         f"demo adapter into runs/demo/train/adapter) or pass the folder of one")  # fmt: skip
     bb = tdlm.load_backbone("tiny-multi", dtype="float32")
     model = tdlm.TDLM.from_adapter(bb, adapter).eval()
+    # The same adapter with W_O = 0 decodes the backbone's own tokens (Prop. 1): the same evaluations with the
+    # same rows, so its time per evaluation against the backbone's is the temporal overhead alone.
+    zero = tdlm.TDLM.from_adapter(bb, adapter).eval()
+    with torch.no_grad():
+        for mod in zero.temporal.values():
+            mod.o_proj.weight.zero_()
     tok = load_tokenizer("tiny-multi")
     prompts = encode_prompts(tok, [p.prompt for p in load_split("test", batch)])
     cfg = tdlm.DecodeConfig(gen_length=MULTI_GEN_LENGTH, block_size=MULTI_GEN_LENGTH, threshold=0.9)
     kw = {"tokenizer": tok, "stop_ids": stop_token_ids(tok, bb.eos_token_id)}
     return {"name": "tiny", "label": f"tiny-multi + demo adapter, batch {batch}", "model": model, "prompts": prompts,
-            "cfg": cfg, "kw": kw, "target": TARGETS["tiny"]}  # fmt: skip
+            "cfg": cfg, "kw": kw, "target": TARGETS["tiny"], "zero": zero}  # fmt: skip
 
 
 def medium_settings(head_scale: float, history: str, quick: bool) -> list[dict]:
@@ -96,11 +103,14 @@ def medium_settings(head_scale: float, history: str, quick: bool) -> list[dict]:
              "kw": {}, "target": TARGETS["medium"]} for cache in ("none", "dual")]  # fmt: skip
 
 
-def candidates(s: dict, compile_: str) -> dict:
+def candidates(s: dict, compile_: str, modes=MODES) -> dict:
     model = s["model"]
     out = {}
-    for method, target, policy in (("backbone", model.backbone, "threshold"), ("tdlm", model, "tdlm")):
-        for mode, comp in MODES:
+    methods = [("backbone", model.backbone, "threshold"), ("tdlm", model, "tdlm")]
+    if s.get("zero") is not None:
+        methods.append(("tdlm-zero", s["zero"], "tdlm"))
+    for method, target, policy in methods:
+        for mode, comp in modes:
             c = compile_ if comp else False
             out[f"{method}/{mode}"] = (lambda t=target, p=policy, c=c: tdlm.decode(t, s["prompts"], s["cfg"], policy=p,
                                                                                  compile=c, **s["kw"]))
@@ -112,30 +122,45 @@ def evaluations(results) -> int:
     return max(r.nfe for r in results)
 
 
-def measure(s: dict, rounds: int, compile_: str) -> dict:
-    cands = candidates(s, compile_)
+def batch_nfe(results) -> float:
+    """The NFE of one full batch: the rows' mean NFE. A decode's evaluations hold sum(NFE) rows in all (rows leave
+    when done), so seconds / mean NFE is the time of one evaluation of the whole batch, whatever the order in which
+    rows finish; for batch 1 it is seconds per NFE."""
+    return sum(r.nfe for r in results) / len(results)
+
+
+def measure(s: dict, rounds: int, compile_: str, modes=MODES) -> dict:
+    cands = candidates(s, compile_, modes)
     print(f"[{s['label']}] warm-up (compiles the compiled rows' graphs) ...", file=sys.stderr, flush=True)
     t = interleaved(cands, rounds, warmup=1)
-    per = lambda x: evaluations(x.value)  # noqa: E731
+    per = lambda x: batch_nfe(x.value)  # noqa: E731
     ms = {n: [1000 * v for v in t.seconds(n, "cpu", per)] for n in cands}
     wall = {n: [1000 * v for v in t.seconds(n, "wall", per)] for n in cands}
+    per_eval = {n: [1000 * v for v in t.seconds(n, "cpu", lambda x: evaluations(x.value))] for n in cands}
     toks = {n: [[r.tokens for r in x.value] for x in t.samples[n]] for n in cands}
     rows = []
     for n in cands:
         method, mode = n.split("/")
-        rows.append({"setting": s["name"], "method": method, "mode": mode, "evaluations": per(t.samples[n][0]),
-                     "nfe_mean": sum(r.nfe for r in t.samples[n][0].value) / len(s["prompts"]),
-                     "ms_per_evaluation": summary(ms[n]), "wall_ms_per_evaluation": summary(wall[n]),
-                     "ms_runs": ms[n],
+        rows.append({"setting": s["name"], "method": method, "mode": mode,
+                     "evaluations": evaluations(t.samples[n][0].value), "nfe_mean": per(t.samples[n][0]),
+                     "ms_per_nfe": summary(ms[n]), "wall_ms_per_nfe": summary(wall[n]), "ms_runs": ms[n],
+                     "ms_per_evaluation": summary(per_eval[n]),
                      "same_tokens_as_eager": all(x == toks[f"{method}/eager"][0] for x in toks[n])})  # fmt: skip
     res = {"setting": s["name"], "label": s["label"], "rounds": rounds, "orders": t.orders, "rows": rows,
-           "tdlm_over_backbone": {m: ratio(ms[f"tdlm/{m}"], ms[f"backbone/{m}"]) for m, _ in MODES},
-           "compiled_over_eager": {m: ratio(ms[f"{m}/compiled"], ms[f"{m}/eager"]) for m in ("backbone", "tdlm")},
+           "modes": [m for m, _ in modes],
+           "tdlm_over_backbone": {m: ratio(ms[f"tdlm/{m}"], ms[f"backbone/{m}"]) for m, _ in modes},
            "target_tdlm_over_backbone_max": s["target"]}  # fmt: skip
-    res["verdict"] = {
-        **{f"tdlm_over_backbone_{m}": res["tdlm_over_backbone"][m]["of_min"] <= s["target"] for m, _ in MODES},
-        "tdlm_compiled_not_slower": res["compiled_over_eager"]["tdlm"]["of_min"] <= TARGETS["compiled_over_eager_max"],
-    }
+    if s.get("zero") is not None:  # identical trajectories: per evaluation is exact
+        res["tdlm_zero_over_backbone_per_evaluation"] = {
+            m: ratio(per_eval[f"tdlm-zero/{m}"], per_eval[f"backbone/{m}"]) for m, _ in modes}
+        res["tdlm_zero_same_tokens_as_backbone"] = all(
+            toks[f"tdlm-zero/{m}"][0] == toks[f"backbone/{m}"][0] for m, _ in modes)
+    res["verdict"] = {f"tdlm_over_backbone_{m}": res["tdlm_over_backbone"][m]["of_min"] <= s["target"]
+                      for m, _ in modes}
+    if len(modes) == 2:
+        res["compiled_over_eager"] = {m: ratio(ms[f"{m}/compiled"], ms[f"{m}/eager"]) for m in ("backbone", "tdlm")}
+        res["verdict"]["tdlm_compiled_not_slower"] = (res["compiled_over_eager"]["tdlm"]["of_min"]
+                                                      <= TARGETS["compiled_over_eager_max"])
     return res
 
 
@@ -164,23 +189,33 @@ def profile(s: dict, compile_: str) -> dict:
 
 
 def table(results: list[dict]) -> list[str]:
-    lines = ["| setting | mode | backbone ms/eval (min / median) | TDLM ms/eval (min / median) | TDLM / backbone "
+    lines = ["| setting | mode | backbone ms/NFE (min / median) | TDLM ms/NFE (min / median) | TDLM / backbone "
              "(min / median of rounds) | target | TDLM compiled / eager | same tokens |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for res in results:
         by = {(r["method"], r["mode"]): r for r in res["rows"]}
-        for mode, _ in MODES:
+        for mode in res["modes"]:
             b, t = by[("backbone", mode)], by[("tdlm", mode)]
             q = res["tdlm_over_backbone"][mode]
             met = "met" if res["verdict"][f"tdlm_over_backbone_{mode}"] else "NOT MET"
-            ce = res["compiled_over_eager"]["tdlm"]
-            bm, tm = b["ms_per_evaluation"], t["ms_per_evaluation"]
+            ce = res.get("compiled_over_eager", {}).get("tdlm", {"of_min": float("nan"),
+                                                                 "median_of_rounds": float("nan")})
+            bm, tm = b["ms_per_nfe"], t["ms_per_nfe"]
             same = b["same_tokens_as_eager"] and t["same_tokens_as_eager"]
             lines.append(
                 f"| {res['label']} | {mode} | {bm['min']:.1f} / {bm['median']:.1f} | {tm['min']:.1f} / "
                 f"{tm['median']:.1f} | {q['of_min']:.3f} / {q['median_of_rounds']:.3f} | "
                 f"<= {res['target_tdlm_over_backbone_max']:.2f}: {met} | {ce['of_min']:.3f} / "
                 f"{ce['median_of_rounds']:.3f} | {same} |")
+            if "tdlm_zero_over_backbone_per_evaluation" in res:
+                z, zr = by[("tdlm-zero", mode)], res["tdlm_zero_over_backbone_per_evaluation"][mode]
+                bm, zm = b["ms_per_evaluation"], z["ms_per_evaluation"]
+                met = "met" if zr["of_min"] <= res["target_tdlm_over_backbone_max"] else "NOT MET"
+                lines.append(
+                    f"| {res['label']}, W_O = 0 (the backbone's trajectory), per evaluation | {mode} | {bm['min']:.1f} "
+                    f"/ {bm['median']:.1f} | {zm['min']:.1f} / {zm['median']:.1f} | {zr['of_min']:.3f} / "
+                    f"{zr['median_of_rounds']:.3f} | <= {res['target_tdlm_over_backbone_max']:.2f}: {met} | - | "
+                    f"{res['tdlm_zero_same_tokens_as_backbone']} |")
     return lines
 
 
@@ -195,11 +230,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compile", default="true", help="DecodeConfig.compile of the compiled rows (default inductor)")
     ap.add_argument("--profile", action="store_true", help="add per-op / per-kernel profiles")
+    ap.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
     ap.add_argument("--quick", action="store_true", help="batch 8, medium 64 + 64, 2 rounds")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(REPO)}; none with --quick)")
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be >= 1; got {args.rounds}")
+    modes = tuple(m for m in MODES if m[0] in args.modes.split(","))
+    if not modes or len(modes) != len(set(args.modes.split(","))):
+        ap.error(f"--modes {args.modes!r}: expected a comma-separated subset of eager,compiled")
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
     settings = []
@@ -215,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for s in settings:
             rounds = args.rounds or (2 if args.quick else 7 if s["name"] == "tiny" else 3)
-            results.append(measure(s, rounds, args.compile))
+            results.append(measure(s, rounds, args.compile, modes))
             print("\n".join(table(results[-1:])[2:]), flush=True)
             if args.profile:
                 profiles[s["name"]] = profile(s, args.compile)
@@ -224,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine(), "load_before": load0, "load_after": os.getloadavg()[0],
               "settings": {"suite": args.suite, "batch": args.batch, "adapter": str(args.adapter),
                            "head_scale": args.head_scale, "history": args.history, "threads": args.threads,
-                           "compile": args.compile, "quick": args.quick, "medium": MEDIUM,
-                           "clock": "process CPU seconds / evaluations of the batch"},
+                           "compile": args.compile, "modes": args.modes, "quick": args.quick, "medium": MEDIUM,
+                           "clock": "process CPU seconds / mean NFE of the batch's rows"},
               "targets": TARGETS, "results": results, "table": lines,
               **({"profile": profiles} if profiles else {})}  # fmt: skip
     out = args.out or (None if args.quick else RESULTS)
