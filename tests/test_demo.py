@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import tdlm
+import tdlm.data.tokenizer  # tdlm is a lazy facade: its submodules are attributes once imported
 from tdlm.data.trajectories import read_parquet
 from tdlm.demo import (
     DemoPlan,
