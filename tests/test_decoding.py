@@ -118,3 +118,13 @@ def test_chat_template_for_toy_tokenizer():
     assert (tok.mask_token_id, tok.eos_token_id, tok.pad_token_id) == (2, 1, 0)
     bb = tdlm.load_backbone("tiny-llada")
     assert len(tok) == bb.vocab_size and tok.mask_token_id == bb.mask_token_id
+
+
+@pytest.mark.parametrize("field,value", [("threshold", -0.1), ("threshold", 1.5), ("threshold", float("nan")),
+                                         ("entropy_threshold", 0.0), ("entropy_threshold", -1.0)])  # fmt: skip
+def test_decode_config_refuses_tau_and_h_outside_their_range(field, value):
+    with pytest.raises(tdlm.TDLMError, match=field) as e:
+        DecodeConfig(**{field: value}).validate()
+    assert "\n" not in str(e.value)
+    DecodeConfig(threshold=1.0, entropy_threshold=0.5).validate()  # the edges that stay allowed
+    DecodeConfig(threshold=0.0).validate()

@@ -151,6 +151,19 @@ def test_method_rows_are_timed_interleaved_in_rotated_order(tmp_path):
     assert every == sorted(p.id for p in plans[0].task.problems)  # each problem exactly once
 
 
+def test_comparison_runs_sharing_a_group_get_distinct_names():
+    """Evaluations that share a user-given group (a sweep's trials, ``--group table1`` across backbones) must not
+    share the comparison run's name; the default group is one per output folder already."""
+    from tdlm.evaluation.driver import comparison_name
+
+    a = EvalConfig(backbone="b", output_dir="runs/sweep/eval/baselines", group="tiny-table4")
+    b = EvalConfig(backbone="b", output_dir="runs/sweep/eval/layers-0-1", group="tiny-table4")
+    assert comparison_name(a, "tiny-table4") != comparison_name(b, "tiny-table4")
+    assert comparison_name(a, "tiny-table4") == "tiny-table4/baselines/comparison"
+    default = EvalConfig(backbone="b", output_dir="runs/x")
+    assert comparison_name(default, "x-1a2b3c") == "x-1a2b3c/comparison"
+
+
 def test_pareto_front():
     pts = [(1.0, 50.0), (2.0, 60.0), (2.0, 55.0), (3.0, 58.0), (0.5, 40.0), (4.0, 70.0), (1.0, 50.0)]
     assert pareto_front(pts) == [4, 0, 1, 5]  # (2, 55) and (3, 58) are dominated by (2, 60); duplicates once

@@ -71,6 +71,11 @@ class DecodeConfig:
             raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
         check_cache_mode(self.cache)
         check_compile(self.compile)
+        # written so that NaN fails too; every entry point (evaluation, harness, generation) then refuses the same
+        if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
+            raise TDLMError(f"decode threshold (tau of Eq. 6) must be a confidence in [0, 1]; got {self.threshold!r}")
+        if not (isinstance(self.entropy_threshold, (int, float)) and self.entropy_threshold > 0.0):
+            raise TDLMError(f"decode entropy_threshold (H) must be > 0; got {self.entropy_threshold!r}")
         if self.gen_length < 1 or self.block_size < 1:
             raise TDLMError(f"gen_length and block_size must be >= 1; got {self.gen_length}, {self.block_size}")
         if self.gen_length % self.block_size:

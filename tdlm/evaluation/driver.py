@@ -482,11 +482,19 @@ def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> 
     tracker.finish(summary)
 
 
+def comparison_name(cfg: EvalConfig, group: str) -> str:
+    """The comparison run's W&B name. A group given by the user (a sweep, ``--group table1``) is shared by several
+    evaluations, so their names carry the output folder's name; the default group is already one per folder."""
+    if cfg.group is None:
+        return f"{group}/comparison"
+    return f"{group}/{Path(cfg.output_dir).name}/comparison"
+
+
 def log_comparison(cfg: EvalConfig, group: str, runs: list[dict], table: str, plots: list[Path]) -> None:
     """A W&B run for the whole comparison: the run table and the Pareto plots."""
     from tdlm.tracking import Tracker
 
-    tracker = Tracker(Path(cfg.output_dir) / "comparison", cfg.project, group, f"{group}/comparison",
+    tracker = Tracker(Path(cfg.output_dir) / "comparison", cfg.project, group, comparison_name(cfg, group),
                       {"backbone": cfg.backbone, "tasks": cfg.tasks, "runs": len(runs), "group": group},
                       cfg.wandb_mode, job_type="eval-comparison")  # fmt: skip
     if tracker.run is not None:

@@ -88,7 +88,6 @@ class GenerationConfig:
 
     def validate(self) -> GenerationConfig:
         """Reject incompatible options before any file is touched or any actor started."""
-        self.decode_config().validate()
         # The schema of tau and H (Eq. 6 commits tokens whose confidence reaches tau; a tau <= 0 commits every token
         # at once: NFE 1 per block, which a manifest once recorded as tau -0.1).
         tau = self.threshold
@@ -97,6 +96,7 @@ class GenerationConfig:
         h = self.entropy_threshold
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h < float("inf"):
             raise TDLMError(f"entropy_threshold (--entropy-threshold, H) must be a positive number; got {h!r}")
+        self.decode_config().validate()  # after the checks above, whose messages name the flags
         if self.policy == "tdlm" and not self.adapter:
             raise TDLMError("policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)")
         if self.adapter and self.policy != "tdlm":
