@@ -48,77 +48,13 @@ skipped; changed settings are refused. Without ``--address`` the script uses ``R
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
+from pathlib import Path
 
-import datasets
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout run without the editable install
 
-from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
-from tdlm.decoding import CACHE_MODES, POLICIES
-from tdlm.errors import TDLMError
-from tdlm.generation import GenerationConfig, generate
-
-# How the GenerationConfig fields appear on the command line; each flag's help is the field's own comment in
-# tdlm/generation/config.py, so a new field gets a flag without an edit here (tests/test_first_contact.py pins
-# field <-> flag). Only names, choices and groups the fields cannot say themselves are listed.
-MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER = ("model", "prompts", "decoding (tdlm.decode)", "output",
-                                             "cluster (may change when resuming)")
-FLAGS: dict[str, Flag] = {
-    **{k: Flag(group=MODEL) for k in ("backbone", "adapter", "allow_other_backbone")},
-    "dtype": Flag(choices=("float32", "bfloat16", "float16"), group=MODEL),
-    **{k: Flag(group=PROMPTS) for k in ("prompts", "prompt_field", "prompt_config", "prompt_split", "num_prompts",
-                                        "allow_eval_prompts")},
-    "chat": Flag(name="--no-chat", negate=True, group=PROMPTS),
-    "policy": Flag(choices=POLICIES, group=DECODING), "threshold": Flag(name="--tau", group=DECODING),
-    **{k: Flag(group=DECODING) for k in ("entropy_threshold", "gen_length", "block_size", "stop_at_eos", "compile")},
-    "cache": Flag(choices=CACHE_MODES, group=DECODING),
-    **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
-    **{k: Flag(group=CLUSTER) for k in ("batch_size", "actors", "cpus_per_actor", "address", "max_restarts",
-                                        "max_task_retries", "max_shard_attempts", "log_interval")},
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    # Every flag defaults to None so that a --config file's values survive unless the flag is given; the real
-    # defaults live in GenerationConfig and are shown in the help.
-    p = SuggestingParser(
-        description="Decode every prompt once with a frozen backbone on Ray replicas and write "
-        "trajectory shards (shard-NNNNN.parquet) + manifest.json. Prompts that are evaluation problems "
-        "(GSM8K test, MATH-500, MBPP test, arith held-out) are refused unless --allow-eval-prompts.",
-    )
-    p.add_argument("--config", default=None,
-                   help="YAML of GenerationConfig fields (configs/gen_llada_8b.yaml, configs/gen_dream_7b.yaml, "
-                   "configs/gen_tiny_multi.yaml); flags given on the command line override it")  # fmt: skip
-    add_dataclass_flags(p, GenerationConfig, FLAGS, dict.fromkeys((MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER)))
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> GenerationConfig:
-    p = build_parser()
-    args = vars(p.parse_args(argv))
-    path = args.pop("config")
-    raw = load_yaml(path) if path else {}
-    raw.update({k: v for k, v in args.items() if v is not None})
-    missing = [f"--{k.replace('_', '-')}" for k in ("backbone", "prompts", "output_dir") if raw.get(k) is None]
-    if missing:
-        p.error(f"{', '.join(missing)} required (as flags or as fields of --config)")
-    return from_dict(GenerationConfig, raw, path or "arguments")
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s")
-    datasets.disable_progress_bars()  # one bar per shard write would drown the progress lines
-    try:
-        cfg = parse_args(argv)
-        summary = generate(cfg)
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {summary.num_prompts} trajectories to {summary.output_dir} "
-          f"({len(summary.computed_shards)} shards computed, {summary.skipped_shards} already finished)")  # fmt: skip
-    return 0
-
+# The command line lives in the library (tdlm.generation.cli), so the console script tdlm-generate is the same.
+from tdlm.generation.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

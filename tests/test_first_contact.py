@@ -224,13 +224,9 @@ def test_every_eval_config_field_has_a_flag_with_its_doc_and_vice_versa():
 
 
 def _generation_cli():
-    import importlib.util
+    import importlib
 
-    path = REPO / "ray_jobs" / "generate_trajectories.py"
-    spec = importlib.util.spec_from_file_location("generate_trajectories", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("tdlm.generation.cli")  # ray_jobs/generate_trajectories.py and tdlm-generate
 
 
 def test_every_generation_config_field_has_a_flag_with_its_doc_and_vice_versa():

@@ -119,7 +119,8 @@ def test_every_imported_third_party_module_is_declared_or_comes_with_a_declared_
 
 def test_console_scripts_resolve_and_are_installed():
     scripts = pyproject()["project"]["scripts"]
-    assert {"tdlm-eval", "tdlm-compare", "tdlm-sweep", "tdlm-plan", "tdlm-harness", "tdlm-hub"} <= set(scripts)
+    assert {"tdlm-eval", "tdlm-compare", "tdlm-sweep", "tdlm-plan", "tdlm-harness", "tdlm-hub",
+            "tdlm-generate"} <= set(scripts)
     for name, target in scripts.items():
         module, func = target.split(":")
         fn = getattr(importlib.import_module(module), func, None)
@@ -129,12 +130,14 @@ def test_console_scripts_resolve_and_are_installed():
                                   "(pip install -e . --no-deps)")
 
 
-@pytest.mark.parametrize("script", ["eval/run.py", "eval/compare.py", "launcher/sweep.py"])
+@pytest.mark.parametrize("script", ["eval/run.py", "eval/compare.py", "launcher/sweep.py",
+                                    "ray_jobs/generate_trajectories.py"])
 def test_entry_scripts_are_the_console_scripts(script):
     """The scripts in eval/ and launcher/ call the same functions as the console scripts (thin wrappers)."""
     scripts = pyproject()["project"]["scripts"]
     text = (REPO / script).read_text()
-    targets = {"eval/run.py": "tdlm-eval", "eval/compare.py": "tdlm-compare", "launcher/sweep.py": "tdlm-sweep"}
+    targets = {"eval/run.py": "tdlm-eval", "eval/compare.py": "tdlm-compare", "launcher/sweep.py": "tdlm-sweep",
+               "ray_jobs/generate_trajectories.py": "tdlm-generate"}
     module, func = scripts[targets[script]].split(":")
     assert re.search(rf"^from {re.escape(module)} import {func}\b", text, re.M), f"{script} does not call {module}"
     assert len([ln for ln in text.splitlines() if ln.strip().startswith("def ")]) == 0, f"{script} defines functions"
