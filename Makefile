@@ -40,7 +40,7 @@ bubblewrap:
 	else echo "bubblewrap: not installed (needs root + apt-get); the sandbox uses its in-house namespaces"; fi
 
 test: $(STAMP) bubblewrap
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -rs tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -rfEs tests
 
 demo: $(STAMP)
 	$(BIN)/python -m tdlm.demo

@@ -88,6 +88,19 @@ def backbone_name(request) -> str:
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _no_wandb_service_leak():
+    """An in-process ``wandb.init`` exports ``WANDB_SERVICE`` (its service's socket) into ``os.environ``; a later
+    test's subprocesses (DeepSpeed ranks, the demo) would then connect to that service, or to a dead socket once it
+    is gone. Each test leaves the variable as it found it."""
+    before = os.environ.get("WANDB_SERVICE")
+    yield
+    if before is None:
+        os.environ.pop("WANDB_SERVICE", None)
+    else:
+        os.environ["WANDB_SERVICE"] = before
+
+
 SANDBOX_BACKENDS = ("bwrap", "inhouse")
 
 

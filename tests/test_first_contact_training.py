@@ -123,8 +123,15 @@ def test_run_config_checks_the_checkpoint_fields():
 @pytest.fixture
 def wandb_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # the Tracker's setdefault must not leak into other tests
-    monkeypatch.delenv("WANDB_SERVICE", raising=False)
-    return tmp_path
+    # wandb.init exports WANDB_SERVICE (its in-process service's socket) into os.environ; set-then-delete makes
+    # monkeypatch remove it again at teardown, or every later subprocess (DeepSpeed ranks) would try a socket
+    # that the service-killing test below has closed
+    monkeypatch.setenv("WANDB_SERVICE", "")
+    monkeypatch.delenv("WANDB_SERVICE")
+    yield tmp_path
+    import wandb
+
+    wandb.teardown()
 
 
 def test_a_resumed_tracker_continues_the_wandb_run_and_records_how_each_launch_ended(wandb_dir):
@@ -137,6 +144,7 @@ def test_a_resumed_tracker_continues_the_wandb_run_and_records_how_each_launch_e
     first.stop(1, "preempted", "SIGTERM")
     rid = previous_run_id(run)
     assert rid == first.record["id"]
+    time.sleep(1.05 - time.time() % 1)  # W&B names a launch's folder by the second: two launches in one collide
     second = Tracker(run, "tdlm", "g", None, {"a": 1}, "offline", resume_id=rid)
     assert second.run.id == rid
     second.log({"loss": 0.5}, 2)
