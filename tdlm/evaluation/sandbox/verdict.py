@@ -45,8 +45,7 @@ from typing import Any
 from tdlm.errors import TDLMError
 from tdlm.tasks.mbpp import AssertPlan, imported_names, plan_assert
 
-from . import trusted
-from .trusted import BUDGETS, import_env
+from .trusted import BUDGETS, TRUSTED_FILE, import_env
 
 TRUSTED_TIMEOUT_S = 20.0  # wall clock of one trusted child (CPU-bounded by RLIMIT_CPU; this is for a stalled one)
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
@@ -175,7 +174,7 @@ class _Worker:
     BIG = 1 << 18  # values bytes past which the process is replaced after the job (its heap may have grown)
 
     def __init__(self, python: str) -> None:
-        argv = [python, "-I", "-S", "-B", trusted.__file__]
+        argv = [python, "-I", "-S", "-B", TRUSTED_FILE]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"})  # fmt: skip
         self.python, self.jobs, self.cpu_total = python, 0, 0.0
