@@ -3,11 +3,9 @@ real training steps (:mod:`.measure`) and the command line (:mod:`.cli`, ``pytho
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tdlm.errors import lazy_exports
 
-# Names resolve on first use (PEP 562): `import tdlm...` and the CLIs' argument parsing then cost no torch /
-# DeepSpeed import, so a bad flag is reported in a second rather than after ~10-40 s of imports.
+# Names resolve on first use (PEP 562, tdlm.errors.lazy_exports): no torch / DeepSpeed import until one is used.
 _EXPORTS: dict[str, str] = {
     "Measurement": "tdlm.training.planner.measure",
     "PeakMeter": "tdlm.training.planner.measure",
@@ -29,16 +27,4 @@ _EXPORTS: dict[str, str] = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    target = _EXPORTS.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(target)
-    value = module if target.rsplit(".", 1)[-1] == name else getattr(module, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
