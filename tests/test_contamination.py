@@ -106,7 +106,7 @@ def test_eval_keys_cover_bare_question_and_full_prompt():
 # -- defaults ---------------------------------------------------------------------------------------
 def test_default_split_is_a_train_split(capsys):
     assert GenerationConfig.prompt_split == "train" and PromptSource("x").split == "train"
-    parse = runpy.run_path(str(SCRIPT))["parse_args"]
+    from tdlm.generation.cli import parse_args as parse  # what ray_jobs/generate_trajectories.py runs
     cfg = parse(["--backbone", "tiny-llada", "--prompts", "openai/gsm8k", "--output-dir", "o"])
     assert cfg.prompt_split == "train" and cfg.allow_eval_prompts is False
     cfg.validate()  # GSM8K train: not an evaluation split
