@@ -12,6 +12,8 @@ Recipe of :func:`evaluate`:
    ``max_shard_attempts``). A retry skips the samples its shard file already holds. Workers write the
    shard files themselves, so on a multi-node cluster ``output_dir`` (and the checkpoint / adapters) must
    be on storage every node shares; a node-local dir shows up as missing samples at the merge;
+   The whole job holds ``<output_dir>/.lock`` (:class:`tdlm.data.folder_lock.FolderLock`): one evaluation per
+   output folder, a second one is refused at once naming the holder, a dead holder's lock is taken over;
 4. merge each run's shards and check every problem appears exactly once; score with
    :class:`tdlm.evaluation.scoring.Scorer` here in the driver, after decoding, so scoring never competes with the
    timed decodes for CPU (Math-Verify runs in the Scorer's processes' main threads, code in the sandbox);
@@ -22,7 +24,7 @@ Recipe of :func:`evaluate`:
 
 Output layout::
 
-    <output_dir>/summary.json  table.md  pareto_<task>.png  comparison/ (W&B)
+    <output_dir>/.lock  summary.json  table.md  pareto_<task>.png  comparison/ (W&B)
     <output_dir>/runs/<task>/<run>/run.json  shards/shard-<w>-of-<W>.jsonl  samples.jsonl  summary.json  wandb/
 """
 
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from tdlm.data.folder_lock import FolderLock
 from tdlm.errors import TDLMError
 from tdlm.evaluation.config import (
     EvalConfig,
@@ -562,6 +565,15 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     cfg.validate()
     out = Path(cfg.output_dir).resolve()
     check_adapters_fit(cfg)  # before plan_runs writes run.json files and long before the baselines decode
+    # One writer per output folder, for the whole job: two evaluations into one folder once appended the same
+    # samples to one shard file and the merge refused the duplicates at the end. Taken before plan_runs writes
+    # anything, held through merge, scoring and the report; a dead holder's lock is taken over (its samples resume).
+    with FolderLock(out, "evaluation"):
+        return _evaluate(cfg, out, t0)
+
+
+def _evaluate(cfg: EvalConfig, out: Path, t0: float) -> EvalResult:
+    """:func:`evaluate` with the output folder's lock held."""
     plans = plan_runs(cfg)
     # The experiment, not the folder name: explicit --group, else the folder and a hash of what is compared.
     group = cfg.group or _default_group(cfg, out)
