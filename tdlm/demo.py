@@ -391,7 +391,29 @@ def set_aside_other_demo(out: Path, mode: str) -> None:
     path.write_text(json.dumps(stamp, indent=2) + "\n")
 
 
-def main() -> int:
+def build_parser():
+    """The demo takes no flags (its settings are environment variables, so ``make demo`` needs none); ``--help``
+    says so and what each variable does, and anything else is refused before a stage starts."""
+    import argparse
+
+    return argparse.ArgumentParser(
+        prog="python -m tdlm.demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The whole pipeline on the shipped tiny-multi backbone, each stage through the entry point a "
+                    "cluster user runs: teacher trajectories (Ray, 2 actors), training (deepspeed, 2 CPU ranks, "
+                    "ZeRO-3), evaluation of original / threshold / tdlm on the held-out test split, the "
+                    "prediction-history diagnostic, and runs/demo/report.md. Rerunning resumes from what is on disk.",
+        epilog="environment variables (the demo has no flags):\n"
+               "  DEMO_DIR=PATH             output folder (default: runs/demo in the repository)\n"
+               "  DEMO_FAST=1               fewer prompts, steps and test problems (minutes; the test suite uses it)\n"
+               "  DEMO_COMPILE=1            evaluate with torch.compile (compilation excluded from the seconds)\n"
+               "  TDLM_DEMO_INTERRUPT=STAGE stop right after generation|training|evaluation|diagnostic|report "
+               "(exit 130)\n"
+               "docs/demo.md describes the stages, the recipe and the measured results.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    build_parser().parse_args(argv)
     out = Path(os.environ.get("DEMO_DIR", REPO / "runs" / "demo"))
     plan = DemoPlan.from_env(out)
     t_start = time.time()

@@ -232,3 +232,18 @@ def test_demo_fast_resumes_after_an_interruption_at_every_stage(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base | {"TDLM_DEMO_INTERRUPT": "trainig"},
                        capture_output=True, text=True, timeout=600, check=True)
+
+
+def test_demo_help_explains_and_starts_nothing(tmp_path):
+    """``python -m tdlm.demo --help`` once started the whole 25-minute demo (it read no arguments): it must print the
+    environment variables and exit 0 without a stage, and an unknown flag must be refused (exit 2) just as early."""
+    env = os.environ | {"DEMO_DIR": str(tmp_path / "demo")}
+    proc = subprocess.run([sys.executable, "-m", "tdlm.demo", "--help"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for var in ("DEMO_DIR", "DEMO_FAST", "DEMO_COMPILE", "TDLM_DEMO_INTERRUPT"):
+        assert var in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "tdlm.demo", "--fast"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "unrecognized arguments: --fast" in proc.stderr, proc.stderr
+    assert not (tmp_path / "demo").exists()
