@@ -11,9 +11,14 @@ Layout::
         ...
         .lock                  held (flock) by the one driver writing this dir
 
-Only the driver writes here. A shard is written to ``<name>.tmp-<pid>`` and renamed into place
+Only the driver writes here. A shard is written to ``<name>.tmp-<pid>``, fsynced and renamed into place
 (:func:`tdlm.data.trajectories.write_parquet`); the manifest is rewritten the same way after every shard.
 So a killed job leaves whole shards only, at worst one more shard on disk than the manifest lists.
+
+A full disk (ENOSPC / EDQUOT) while writing a shard or the manifest removes the temporary file at once and
+raises one TDLMError naming the folder ("no space left"): the shard is not listed, the manifest on disk is the
+previous one, and nothing is retried (no replica can fix a full disk). After space is freed, rerunning the same
+command adopts a whole shard that was renamed before the manifest write failed and computes the rest.
 
 What :meth:`ShardStore.open` does with what it finds (documented policy):
 
@@ -54,7 +59,7 @@ from pathlib import Path
 
 from tdlm.config import diff_settings
 from tdlm.data.prompts import Prompt
-from tdlm.data.trajectories import TrajectoryRecord, read_parquet, write_parquet
+from tdlm.data.trajectories import TrajectoryRecord, fsync_file, read_parquet, write_error, write_parquet
 from tdlm.errors import TDLMError
 
 log = logging.getLogger("tdlm.generation")
@@ -83,15 +88,29 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def atomic_write_json(path: Path, obj: dict) -> None:
-    """Write JSON to ``<path>.tmp-<pid>``, fsync, rename: readers see the old or the new file, never half."""
+def atomic_write_text(path: Path, text: str, kept: str | None = None) -> None:
+    """Write ``text`` to ``<path>.tmp-<pid>``, fsync, rename: readers see the old or the new file, never half.
+
+    A failed write (a full disk: ENOSPC / EDQUOT) removes the temporary file at once, so nothing half-written stays
+    to fill the disk, and raises a one-line TDLMError naming the folder ("no space left"); ``kept`` says what stays
+    valid (default: the previous ``path``, untouched).
+    """
+    path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e, kept or f"{path.name} is unchanged") from None
+        raise
+
+
+def atomic_write_json(path: Path, obj: dict, kept: str | None = None) -> None:
+    """:func:`atomic_write_text` of ``obj`` as indented JSON."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n", kept)
 
 
 class ShardStore:
@@ -117,16 +136,24 @@ class ShardStore:
     def __enter__(self) -> ShardStore:
         if self.root.exists() and not self.root.is_dir():
             raise TDLMError(f"output dir {self.root} exists and is not a folder")
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise write_error(self.root / LOCK, e, "nothing was written") from None
         try:
             # flock is released by the kernel when the holder dies, even on SIGKILL: no stale locks.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
             os.close(fd)
             raise TDLMError(f"{self.root}: another generation run is writing this output dir (it holds {LOCK})") from e
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:  # a full disk: the pid line needs a block
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise write_error(self.root / LOCK, e, "nothing was written") from None
         self._lock_fd = fd
         return self
 
@@ -358,7 +385,8 @@ class ShardStore:
             "finished_prompts": self.finished_prompts(),
         }
         m["updated"] = _now()
-        atomic_write_json(self.root / MANIFEST, m)
+        atomic_write_json(self.root / MANIFEST, m, kept=f"{MANIFEST} still lists only the shards finished "
+                          f"before (a whole shard not listed yet is verified and adopted by the rerun)")  # fmt: skip
 
     # -- completion ----------------------------------------------------------------------------
     def finalize(self) -> dict:

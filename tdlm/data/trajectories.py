@@ -16,6 +16,7 @@ Records are stored in a versioned Parquet schema (:data:`SCHEMA_VERSION`), writt
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -225,9 +226,60 @@ def trajectory_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     return ce, count
 
 
+# -- full disks -------------------------------------------------------------------------------------
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT, also when pyarrow reports it as a plain OSError whose message carries the strerror."""
+    if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+        return True
+    return isinstance(e, OSError) and any(os.strerror(n) in str(e) for n in DISK_FULL_ERRNOS)
+
+
+def free_space(folder: str | os.PathLike) -> str:
+    """Free space on the file system of ``folder``, for messages ("12.0 KiB free")."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "free space unknown"
+    n = float(st.f_bavail * st.f_frsize)
+    if n < 1024:
+        return f"{n:.0f} B free"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit} free"
+
+
+def write_error(path: Path, e: OSError, kept: str) -> TDLMError:
+    """The one-line error for a failed write of ``path``: a full disk names the folder and says "no space left";
+    ``kept`` says what the failure left behind (a sentence fragment)."""
+    if is_disk_full(e):
+        return TDLMError(f"{path.parent}: no space left on the device writing {path.name} "
+                         f"({free_space(path.parent)}); {kept}; free space and rerun the same command")  # fmt: skip
+    return TDLMError(f"{path}: cannot write ({e.strerror or e}); {kept}")
+
+
+def fsync_file(path: Path) -> None:
+    """fsync a closed file. Network file systems (NFS, Lustre) may report ENOSPC / EDQUOT only at close or
+    fsync; calling it before the rename keeps such a failure on the temporary name, never on the real one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # -- Parquet I/O ------------------------------------------------------------------------------------
 def write_parquet(records: Iterable[TrajectoryRecord], path: str | os.PathLike) -> Path:
-    """Write records atomically (temporary name, then rename) in the versioned schema."""
+    """Write records atomically (temporary name, fsync, then rename) in the versioned schema.
+
+    A failed write (a full disk: ENOSPC / EDQUOT) removes the temporary file, so no partial shard stays on disk
+    to fill it further or to be mistaken for output, and raises a one-line TDLMError naming the folder ("no
+    space left"); ``path`` itself is then untouched.
+    """
     from datasets import Dataset
 
     path = Path(path)
@@ -238,8 +290,15 @@ def write_parquet(records: Iterable[TrajectoryRecord], path: str | os.PathLike) 
         validate_record(r, f"{path} row {i}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    Dataset.from_list(rows).to_parquet(str(tmp))
-    os.replace(tmp, path)
+    try:
+        Dataset.from_list(rows).to_parquet(str(tmp))
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e, f"nothing of {path.name} was kept") from None
+        raise
     return path
 
 

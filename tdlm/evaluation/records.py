@@ -9,6 +9,12 @@ enough for a killed process; after a machine crash the last line may be cut, whi
   cut off by :func:`repair` before a worker appends again;
 * a malformed line *before* the last one is not a crash artefact and is an error naming file and line.
 
+A full disk (ENOSPC / EDQUOT) can cut a line too: the write of a line that crosses the last free block comes back
+short, and the next write fails. :class:`Appender` then cuts its own partial line at once (the file ends with the
+previous record's newline again, and the space is given back) and raises one TDLMError naming the run folder and
+"no space left"; every record before it is kept and counts as done, the failed one does not. A rerun after space is
+freed decodes only what is missing.
+
 On restart the done ids are read from every shard file present (also ones written with another worker
 count), and only the remaining problems are split over the current workers. :func:`merge` then checks
 that every expected problem appears exactly once across all files.
@@ -16,6 +22,7 @@ that every expected problem appears exactly once across all files.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Iterable
@@ -92,28 +99,89 @@ def read_records(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _free(folder: Path) -> str:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return "free space unknown"
+    return f"{st.f_bavail * st.f_frsize / 1024:.1f} KiB free"
+
+
 class Appender:
-    """Append records to a shard file, one flushed line each (single writer per file)."""
+    """Append records to a shard file, one line each, written straight to the file (single writer per file).
+
+    Unbuffered on purpose: a Python file object keeps the bytes a failed flush did not write and tries them again
+    at the next write or at close, so after a full disk a later flush could finish a cut line behind the reader's
+    back, or close() could raise again over the first error. Here each line is ``os.write`` calls on an
+    ``O_APPEND`` descriptor, and a failure cuts the partial line before it raises (module docstring).
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair(self.path)
-        self._fh = self.path.open("a", encoding="utf-8")
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict) -> None:
-        # One write call per line, flushed at once: a kill loses at most this line, never a neighbour.
-        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._fh.flush()
+        # One write call per line (more only after a short write): a kill loses at most this line, never a
+        # neighbour, and no byte of it waits in a buffer.
+        assert self._fd is not None, "Appender is closed"
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        start = os.fstat(self._fd).st_size
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            cut = self._cut(start, done)
+            raise self._error(record, e, cut) from None
+
+    def _cut(self, start: int, done: int) -> bool:
+        """Remove this call's partial line (only if no other process appended meanwhile); True if the file now
+        ends where it did before the call."""
+        try:
+            size = os.fstat(self._fd).st_size
+            if size == start + done:
+                if done:
+                    os.ftruncate(self._fd, start)  # shrinking needs no free block
+                return True
+        except OSError:
+            pass
+        return False  # left for repair() when the file is opened again
+
+    def _error(self, record: dict, e: OSError, cut: bool) -> TDLMError:
+        run_dir = self.path.parent.parent if self.path.parent.name == SHARD_DIR else self.path.parent
+        where = f"{self.path.parent.name}/{self.path.name}"
+        tail = ("its partial line was cut" if cut else "its partial line is cut when the file is opened again")
+        what = f"sample {record.get('id')!r} is not recorded ({tail}), the samples before it are kept"
+        if e.errno in DISK_FULL_ERRNOS:
+            return TDLMError(f"{run_dir}: no space left on the device appending to {where} ({_free(self.path.parent)})"
+                             f"; {what}; free space and rerun the same command to decode the rest")  # fmt: skip
+        return TDLMError(f"{self.path}: cannot append a sample ({e.strerror or e}); {what}")
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)  # network file systems may report a full disk or quota only here
+            except OSError as e:
+                raise TDLMError(f"{self.path}: closing failed ({e.strerror or e}); its last samples may not have "
+                                f"reached the disk: rerun the same command (a cut line is repaired)") from None
 
     def __enter__(self) -> Appender:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the error in flight is the one to report
+            try:
+                self.close()
+            except TDLMError:
+                pass
 
 
 def done_ids(run_dir: str | os.PathLike) -> set[str]:
