@@ -73,6 +73,9 @@ class EvalConfig:
     max_restarts: int = 2  # Ray restarts of a dead actor ...
     max_task_retries: int = 2  # ... and retries of the shard it held
     max_shard_attempts: int = 3  # driver-level attempts per shard after Ray's retries
+    # seconds without an answer from the Ray head (GCS port) before the job stops with one line (finished samples stay
+    # on disk; the same command resumes on a running cluster); Ray's raylets give up on a lost head after 60 s
+    head_timeout_s: float = 30.0
     group: str | None = None  # W&B group (the comparison); None = output dir name
     allow_other_backbone: bool = False  # attach adapters trained on another backbone (TDLM.from_adapter)
     project: str = "tdlm"  # the training runs' project, so an evaluation sits beside the run that trained its adapter
@@ -145,6 +148,8 @@ class EvalConfig:
                 raise TDLMError(f"{name} must be >= 1 (or unset); got {v}")
         if self.warmup < 0 or self.max_restarts < 0 or self.max_task_retries < 0:
             raise TDLMError("warmup, max_restarts and max_task_retries must be >= 0")
+        if not self.head_timeout_s > 0:
+            raise TDLMError(f"head_timeout_s must be > 0; got {self.head_timeout_s}")
         if self.code_timeout_s <= 0:
             raise TDLMError(f"code_timeout_s must be > 0; got {self.code_timeout_s}")
         self.adapter_dirs()  # labels well-formed and unique
@@ -290,7 +295,7 @@ FLAGS: dict[str, Flag] = {
     "cache_policies": Flag(choices=POLICIES, group=GRID), "gen_length": Flag(group=GRID),
     "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID),
     **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
-                                    "max_task_retries", "max_shard_attempts")},
+                                    "max_task_retries", "max_shard_attempts", "head_timeout_s")},
     **{k: Flag(group=SCORING) for k in ("score_workers", "code_timeout_s", "code_cpu_s", "allow_weak_sandbox")},
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "group", "project", "tags", "reference_tau")},
     "wandb_mode": Flag(choices=("online", "offline", "disabled"), group=OUTPUT),

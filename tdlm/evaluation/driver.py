@@ -255,14 +255,83 @@ def _cause(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
 
 
+class HeadLost(TDLMError):
+    """The Ray head (GCS) stopped answering: the job stops in one line; finished samples stay on disk for a rerun."""
+
+
+class ClusterWatch:
+    """Liveness of the Ray head and of the nodes the workers run on, checked by the driver between results.
+
+    Why the driver checks itself: an actor on a node that died is held by Ray in RESTARTING while no node has room
+    for it (the survivors' CPUs are held by our other workers), and its jobs wait for that restart forever; a driver
+    whose head (GCS) died learns nothing from Ray: its calls block, or the process exits in Ray's C++ code without a
+    word. The head is probed with a TCP connect to the GCS port (no Ray call, so it cannot block); only while it
+    answers are the dead nodes read from the GCS. (The generation driver has the same watch; the two layers are
+    siblings and cannot share it.)
+    """
+
+    def __init__(self, timeout_s: float, interval_s: float = 1.0) -> None:
+        import ray
+
+        self.address = ray.get_runtime_context().gcs_address
+        self.timeout_s, self.interval_s = timeout_s, interval_s
+        self.last_ok = self.last_probe = time.monotonic()
+        self.dead_nodes: set[str] = set()
+        self.lost = False
+
+    def check(self, where: str) -> set[str]:
+        """Raise :class:`HeadLost` once the head has not answered for ``timeout_s``; else the ids of dead nodes."""
+        import socket
+
+        import ray
+
+        now = time.monotonic()
+        if now - self.last_probe < self.interval_s:
+            return self.dead_nodes
+        self.last_probe = now
+        host, _, port = self.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=min(2.0, self.timeout_s)).close()
+        except OSError:
+            if now - self.last_ok >= self.timeout_s:
+                self.lost = True
+                raise HeadLost(f"lost the Ray head at {self.address} (no answer for {now - self.last_ok:.0f} s); "
+                               f"{where}: rerun the same command on a running cluster to resume") from None
+            return self.dead_nodes
+        self.last_ok = now
+        with contextlib.suppress(Exception):  # a GCS that is going away: keep the last answer
+            self.dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+        return self.dead_nodes
+
+
+class _RayWorker(EvalWorker):
+    """The Ray actor: an :class:`EvalWorker` that also names its node (the driver moves the jobs of a dead one)."""
+
+    def info(self) -> dict:
+        import ray
+
+        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+
+
+IN_FLIGHT = 2  # jobs submitted ahead per actor: it never waits for the driver, and a lost driver leaves little queued
+
+
 def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
-    """One actor per shard with work; actors run their jobs in submission order."""
+    """One actor per shard with work; each runs its shard's jobs in order (at most ``IN_FLIGHT`` submitted ahead).
+
+    An actor that is gone for good (Ray's restarts spent, or its node dead) is killed and its remaining jobs move, in
+    order, to the live actor with the least work left: any actor may append to any shard file, and one actor runs one
+    job at a time, so each file keeps one writer. Only when no actor is left is a new one started (the cluster may
+    have no room for it). The head is watched (:class:`ClusterWatch`): once it is lost the job stops in one line.
+    """
     import ray
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
     started = _connect_ray(cfg.ray_address)
     actors: dict[int, object] = {}
+    watch: ClusterWatch | None = None
     try:
+        watch = ClusterWatch(cfg.head_timeout_s)
         res = ray.cluster_resources()
         gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
         threads = cfg.threads or 1
@@ -276,63 +345,104 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
                 log.warning("%d CPU workers x %d threads but %d CPUs: some actors wait", num_shards, threads, cpus)
         spec = WorkerSpec(cfg.backbone, cfg.dtype, device, None if gpus else threads, cfg.chat,
                           cfg.allow_other_backbone)
-        remote = ray.remote(EvalWorker).options(**opts, max_restarts=cfg.max_restarts,
-                                                max_task_retries=cfg.max_task_retries)  # fmt: skip
-        by_shard: dict[int, list[ShardJob]] = collections.defaultdict(list)
+        # SPREAD: workers on as many nodes as fit, so a lost node takes as few of them as possible with it.
+        remote = ray.remote(_RayWorker).options(**opts, max_restarts=cfg.max_restarts,
+                                                max_task_retries=cfg.max_task_retries,
+                                                scheduling_strategy="SPREAD")  # fmt: skip
+        queues: dict[int, collections.deque[ShardJob]] = collections.defaultdict(collections.deque)
         for job in jobs:
-            by_shard[job.shard].append(job)
-        generation: dict[int, int] = {}
-        for w in by_shard:
-            actors[w], generation[w] = remote.remote(spec), 0
-        log.info("starting %d Ray actor(s) of %s (%s each)", len(actors), cfg.backbone, opts)
-        for w, actor in actors.items():
-            try:
-                info = ray.get(actor.info.remote())
-            except RayTaskError as e:
-                cause = _cause(e)
-                raise TDLMError(f"worker {w} failed to start: {cause}") from None
-            log.info("worker %d up: pid %s on %s (%s)", w, info["pid"], info["host"], info["device_name"])
-        pending: dict[object, tuple[int, ShardJob, int]] = {}
+            queues[job.shard].append(job)
+        pending: dict[object, tuple[str, int, ShardJob | None]] = {}  # ref -> (kind, actor slot, job)
+        up: set[int] = set()  # slots whose actor answered info()
+        node_of: dict[int, str] = {}
         attempts: collections.Counter[tuple[str, int, str]] = collections.Counter()
+        replacements = 0
 
-        def submit(w: int, job: ShardJob) -> None:
-            attempts[(job.run_dir, w, job.problems[0][0])] += 1
-            pending[actors[w].run_shard.remote(job)] = (w, job, generation[w])
+        def start(w: int) -> None:
+            actors[w] = remote.remote(spec)
+            pending[actors[w].info.remote()] = ("ready", w, None)
 
-        for w, js in by_shard.items():
-            for job in js:
-                submit(w, job)
+        for w in list(queues):
+            start(w)
+        log.info("starting %d Ray actor(s) of %s (%s each)", len(actors), cfg.backbone, opts)
+
+        def lose(w: int, why: str) -> None:
+            """Actor w is gone: kill it for good and hand its jobs (in flight first, in order) to a live actor."""
+            nonlocal replacements
+            with contextlib.suppress(Exception):
+                ray.kill(actors[w], no_restart=True)
+            mine = [job for ref, (kind, slot, job) in list(pending.items()) if slot == w and job is not None]
+            for ref in [ref for ref, (_, slot, _) in pending.items() if slot == w]:
+                del pending[ref]
+            rest = [*mine, *queues.pop(w, ())]
+            up.discard(w)
+            actors.pop(w, None)
+            live = [v for v in actors if v in up]
+            if not live:  # nobody left: a new actor (it waits for room on the cluster)
+                replacements += 1
+                if replacements > cfg.max_shard_attempts * max(1, num_shards):
+                    raise TDLMError(f"workers keep dying ({replacements} replaced); last: worker {w} {why}")
+                log.warning("worker %d is gone (%s) and no worker is left; starting a new one", w, why)
+                queues[w].extend(rest)
+                start(w)
+                return
+            v = min(live, key=lambda s: len(queues[s]))
+            log.warning("worker %d is gone (%s); worker %d takes over its %d job(s)", w, why, v, len(rest))
+            queues[v].extend(rest)
+
         with _bar(sum(len(j.problems) for j in jobs), "decode") as bar:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=10.0)
+            while any(queues.values()) or any(kind == "job" for kind, _, _ in pending.values()):
+                left = sum(len(j.problems) for q in queues.values() for j in q)
+                dead = watch.check(f"{left} sample(s) of this call not submitted; finished samples are kept in "
+                                   f"{cfg.output_dir}")  # fmt: skip
+                for w in [w for w in list(actors) if node_of.get(w) in dead]:
+                    lose(w, f"node {node_of[w][:12]} died")
+                for w in list(up):  # top up every live actor
+                    busy = sum(1 for kind, slot, _ in pending.values() if kind == "job" and slot == w)
+                    while busy < IN_FLIGHT and queues.get(w):
+                        job = queues[w].popleft()
+                        key = (job.run_dir, job.shard, job.problems[0][0])
+                        attempts[key] += 1
+                        if attempts[key] > cfg.max_shard_attempts:
+                            raise TDLMError(f"{job.run_dir} shard {job.shard}: workers died on all "
+                                            f"{cfg.max_shard_attempts} attempts")  # fmt: skip
+                        pending[actors[w].run_shard.remote(job)] = ("job", w, job)
+                        busy += 1
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
                 if not ready:
                     continue
                 ref = ready[0]
-                w, job, gen = pending.pop(ref)
+                kind, w, job = pending.pop(ref)
                 try:
-                    report = ray.get(ref)
+                    value = ray.get(ref)
                 except RayTaskError as e:  # raised by tdlm code inside the actor: not worth a retry
                     cause = _cause(e)
                     msg = str(cause) if isinstance(cause, TDLMError) else f"{type(cause).__name__}: {cause}"
-                    raise TDLMError(f"{job.run_dir} shard {w}: {msg}") from None
+                    if kind == "ready":
+                        raise TDLMError(f"worker {w} failed to start: {msg}") from None
+                    raise TDLMError(f"{job.run_dir} shard {job.shard}: {msg}") from None
                 except (RayActorError, RayError) as e:  # the actor died and Ray's restarts are spent
-                    n = attempts[(job.run_dir, w, job.problems[0][0])]
-                    if n >= cfg.max_shard_attempts:
-                        raise TDLMError(f"{job.run_dir} shard {w}: worker died on all {n} attempts "
-                                        f"({type(e).__name__})") from None  # fmt: skip
-                    if gen == generation[w]:  # first failure seen from this actor: replace it once
-                        log.warning("worker %d is gone (%s); starting a new one", w, type(e).__name__)
-                        with contextlib.suppress(Exception):
-                            ray.kill(actors[w], no_restart=True)
-                        actors[w], generation[w] = remote.remote(spec), generation[w] + 1
-                    submit(w, job)
+                    if kind == "job":  # this job first: it was the one running
+                        queues[w].appendleft(job)
+                    lose(w, type(e).__name__)
                     continue
-                bar.update(report.computed)
+                if kind == "ready":
+                    up.add(w)
+                    node_of[w] = value["node_id"]
+                    log.info("worker %d up: pid %s on %s (%s, node %s)", w, value["pid"], value["host"],
+                             value["device_name"], value["node_id"][:12])  # fmt: skip
+                    continue
+                bar.update(value.computed)
     finally:
-        for handle in actors.values():
+        lost = watch is not None and watch.lost
+        for handle in actors.values() if not lost else ():  # ray.kill would block on a dead GCS
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
-        if started:
+        if lost:  # ray.shutdown (also its atexit hook) exits the process from C++ on a dead head: no Ray call
+            import atexit
+
+            atexit.unregister(ray.shutdown)
+        elif started:
             ray.shutdown()
 
 

@@ -30,7 +30,7 @@ FLAGS: dict[str, Flag] = {
     "cache": Flag(choices=CACHE_MODES, group=DECODING),
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
     **{k: Flag(group=CLUSTER) for k in ("batch_size", "actors", "cpus_per_actor", "address", "max_restarts",
-                                        "max_task_retries", "max_shard_attempts", "log_interval")},
+                                        "max_task_retries", "max_shard_attempts", "log_interval", "head_timeout_s")},
 }
 
 

@@ -70,6 +70,9 @@ class GenerationConfig:
     max_task_retries: int = 2  # ... and retries of the shard it was decoding
     max_shard_attempts: int = 3  # driver-level attempts of one shard after Ray's own retries failed
     log_interval: float = 30.0  # seconds between plain progress lines (for `ray job logs`)
+    # seconds without an answer from the Ray head (GCS port) before the job stops with one line (finished shards stay
+    # on disk; the same command resumes on a running cluster); Ray's raylets give up on a lost head after 60 s
+    head_timeout_s: float = 30.0
 
     def decode_config(self) -> DecodeConfig:
         return DecodeConfig(
@@ -112,6 +115,8 @@ class GenerationConfig:
             raise TDLMError("max_restarts and max_task_retries must be >= 0")
         if self.log_interval <= 0:
             raise TDLMError(f"log_interval must be > 0; got {self.log_interval}")
+        if self.head_timeout_s <= 0:
+            raise TDLMError(f"head_timeout_s must be > 0; got {self.head_timeout_s}")
         check_prompt_source(self.prompt_source(), self.allow_eval_prompts)  # by name; by content: the driver
         return self
 
@@ -142,7 +147,7 @@ class GenerationConfig:
 
     def run_settings(self) -> dict:
         names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
-                 "max_restarts", "max_task_retries", "max_shard_attempts", "allow_eval_prompts",
+                 "max_restarts", "max_task_retries", "max_shard_attempts", "head_timeout_s", "allow_eval_prompts",
                  "allow_other_backbone", "compile")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 

@@ -27,6 +27,7 @@ Ray patterns (actors + retries + driver redo pass + tmp/rename) follow the measu
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import datetime as dt
@@ -63,6 +64,67 @@ log = logging.getLogger("tdlm.generation")
 # replica, so a local cluster needs only a small object store (Ray's default takes 30% of RAM).
 LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in the driver of a submitted job
+
+
+class HeadLost(TDLMError):
+    """The Ray head (GCS) stopped answering: the job stops in one line; finished shards stay on disk for a rerun."""
+
+
+class ClusterWatch:
+    """Liveness of the Ray head and of the nodes the replicas run on, checked by the driver between results.
+
+    Why the driver checks itself: a replica on a node that died may be held by Ray in RESTARTING with its shard
+    waiting for a restart that no node has room for (a survivor's CPU is held by our own idle replica), and a driver
+    whose head (GCS) died learns nothing from Ray: its calls block or the process exits in Ray's C++ code without a
+    word. The head is probed with a TCP connect to the GCS port (no Ray call, so it cannot block); only while it
+    answers are the dead nodes read from the GCS (``ray.nodes()``).
+    """
+
+    def __init__(self, timeout_s: float, interval_s: float = 1.0) -> None:
+        import ray
+
+        self.address = ray.get_runtime_context().gcs_address  # "host:port" of the GCS
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self.last_ok = self.last_probe = time.monotonic()
+        self.dead_nodes: set[str] = set()
+        self.lost = False
+
+    def head_answers(self) -> bool:
+        host, _, port = self.address.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(2.0, self.timeout_s)):
+                return True
+        except OSError:
+            return False
+
+    def check(self, where: str) -> set[str]:
+        """Raise :class:`HeadLost` once the head has not answered for ``timeout_s``; else the ids of dead nodes."""
+        now = time.monotonic()
+        if now - self.last_probe < self.interval_s:
+            return self.dead_nodes
+        self.last_probe = now
+        if not self.head_answers():
+            if now - self.last_ok >= self.timeout_s:
+                self.lost = True
+                raise HeadLost(f"lost the Ray head at {self.address} (no answer for {now - self.last_ok:.0f} s); "
+                               f"{where}: rerun the same command on a running cluster to resume")  # fmt: skip
+            return self.dead_nodes
+        self.last_ok = now
+        import ray
+
+        with contextlib.suppress(Exception):  # a GCS that is going away: keep the last answer
+            self.dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+        return self.dead_nodes
+
+
+class _Replica(ShardWorker):
+    """The Ray actor: a :class:`ShardWorker` that also names its node (the driver redoes the shards of a dead one)."""
+
+    def info(self) -> dict:
+        import ray
+
+        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
 @dataclass
@@ -283,18 +345,23 @@ def generate(cfg: GenerationConfig) -> GenerationSummary:
         if faults is not None:
             log.warning("TEST FAULT INJECTION ACTIVE: %s", faults)
         started_ray = connect_ray(cfg.address)
+        lost = False
         try:
             _run(cfg, store, todo, faults, summary)
+        except HeadLost:
+            # Every Ray call now blocks on the dead GCS or exits the process from C++ (ray.shutdown does, also in
+            # its atexit hook), so none is made: the one-line error is the last thing this driver prints.
+            lost = True
+            atexit.unregister(ray_shutdown())
+            raise
         finally:
             if faults is not None and faults.crash_marker:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(faults.crash_marker)
             if faults is not None and faults.barrier_dir:
                 shutil.rmtree(faults.barrier_dir, ignore_errors=True)
-            if started_ray:
-                import ray
-
-                ray.shutdown()
+            if started_ray and not lost:
+                ray_shutdown()()
         summary.nfe = store.finalize()
     summary.seconds = time.monotonic() - t_start
     nfe = summary.nfe
@@ -302,6 +369,12 @@ def generate(cfg: GenerationConfig) -> GenerationSummary:
              len(prompts), store.root, len(summary.computed_shards), summary.skipped_shards, nfe["mean"],
              nfe["median"], nfe["min"], nfe["max"])  # fmt: skip
     return summary
+
+
+def ray_shutdown():
+    import ray
+
+    return ray.shutdown
 
 
 def _inflight(actors: dict[int, object], pending: dict[object, tuple[str, int, int | None]]) -> dict[int, int]:
@@ -343,14 +416,19 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
         faults=faults,
     )
     # Two threads per replica: run_shard in one, progress() answered in the other (per-batch progress).
-    remote_cls = ray.remote(ShardWorker).options(
-        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries, max_concurrency=2
-    )
+    # SPREAD: replicas on as many nodes as fit, so a lost node takes as few replicas as possible with it.
+    remote_cls = ray.remote(_Replica).options(
+        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries, max_concurrency=2,
+        scheduling_strategy="SPREAD",
+    )  # fmt: skip
     log.info("starting %d replica(s) of %s (%s each)", n_actors, cfg.backbone, resources)
     actors: dict[int, object] = {}
     pending: dict[object, tuple[str, int, int | None]] = {}  # ref -> (kind, actor slot, shard)
+    node_of: dict[int, str] = {}  # actor slot -> Ray node id (from its info)
+    watch = ClusterWatch(cfg.head_timeout_s)
 
     def start_actor(slot: int) -> None:
+        node_of.pop(slot, None)
         actors[slot] = remote_cls.remote(spec)
         pending[actors[slot].info.remote()] = ("ready", slot, None)
 
@@ -386,7 +464,25 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
                 task = ShardTask(index, [p.source_id for p in ps], [p.text for p in ps], attempts[index])
                 pending[actors[slot].run_shard.remote(task)] = ("shard", slot, index)
                 progress.start()
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(cfg.log_interval, 5.0))
+            done = store.num_shards - len(store.todo())
+            dead = watch.check(f"{done}/{store.num_shards} shards finished and kept in {store.root}")
+            lost = [(ref, slot, index) for ref, (kind, slot, index) in pending.items()
+                    if kind == "shard" and node_of.get(slot) in dead]  # fmt: skip
+            for ref, slot, index in lost:  # Ray may wait forever to restart it: redo the shard on a live replica
+                del pending[ref]
+                failures.append({"shard": index, "attempt": attempts[index], "error": "node died"})
+                if attempts[index] >= cfg.max_shard_attempts:
+                    raise TDLMError(f"shard {index}: its replica's node died on all {attempts[index]} attempts")
+                log.warning("shard %d: the node of replica %d died; redoing the shard", index, slot)
+                queue.appendleft(index)
+                summary.redone_shards += 1
+                replace_actor(slot, RuntimeError(f"node {node_of.get(slot, '?')[:12]} died"))
+            for slot in [s for s in idle if node_of.get(s) in dead]:  # an idle replica on a dead node
+                idle.remove(slot)
+                replace_actor(slot, RuntimeError(f"node {node_of.get(slot, '?')[:12]} died"))
+            if lost:
+                continue
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(cfg.log_interval, 1.0))
             if not ready:
                 n_ready = n_actors - sum(kind == "ready" for kind, _, _ in pending.values())
                 progress.partial(_inflight(actors, pending))
@@ -422,7 +518,8 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
                 continue
             if kind == "ready":
                 store.check_actor_identity(value)
-                processes.append({k: value[k] for k in ("pid", "host", "device", "threads")})
+                node_of[slot] = value["node_id"]
+                processes.append({k: value[k] for k in ("pid", "host", "device", "threads", "node_id")})
                 log.info("replica %d up: pid %s on %s (%s, %s threads)", slot, value["pid"], value["host"],
                          value["device"], value["threads"])  # fmt: skip
                 idle.append(slot)
@@ -439,7 +536,7 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
             progress.add(len(result.records), f" | shard {index} done ({result.seconds:.1f} s)", shard=index)
     finally:
         progress.close()
-        for handle in actors.values():
+        for handle in actors.values() if not watch.lost else ():  # ray.kill would block on a dead GCS
             with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
     progress.tick(force=True)
