@@ -31,10 +31,11 @@ from pathlib import Path
 
 import pytest
 
-from tdlm.data.store import LOCK, MANIFEST, sha256_of, shard_name
+from tdlm.data.store import LOCK, MANIFEST, atomic_write_json, sha256_of, shard_name
 from tdlm.data.trajectories import read_parquet
+from tdlm.errors import TDLMError
 from tdlm.evaluation import evaluate
-from tdlm.evaluation.records import read_records, shard_path
+from tdlm.evaluation.records import Appender, read_records, shard_path
 from tests.test_evaluation import DATA, cfg_for, needs_data
 from tests.test_generation import (
     N_PROMPTS,
@@ -244,6 +245,37 @@ def _names(folder: Path) -> set[str]:
     return {p.name for p in folder.iterdir()}
 
 
+# -- fast: a real ENOSPC from /dev/full, no mount (runs where the tmpfs tests skip) ------------------------
+needs_dev_full = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+
+
+@needs_dev_full
+def test_manifest_write_on_a_full_disk_keeps_the_old_manifest(tmp_path):
+    """The manifest's temporary name is a symlink to /dev/full (every write fails with ENOSPC)."""
+    path = tmp_path / MANIFEST
+    path.write_text('{"old": true}\n')
+    (tmp_path / f"{MANIFEST}.tmp-{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(TDLMError) as e:
+        atomic_write_json(path, {"new": True}, kept="the old one stays")
+    assert str(e.value).startswith(f"{tmp_path}: no space left on the device writing {MANIFEST}")
+    assert "the old one stays" in str(e.value) and "\n" not in str(e.value)
+    assert _names(tmp_path) == {MANIFEST} and json.loads(path.read_text()) == {"old": True}
+
+
+@needs_dev_full
+def test_shard_append_on_a_full_disk_is_one_line_error(tmp_path):
+    """An evaluation shard file that is /dev/full: the append fails at once (no partial line to cut here; the
+    tmpfs test below has one) and the error names the run folder; the same error comes out of the worker."""
+    run = tmp_path / "run"
+    shard = shard_path(run, 0, 1)
+    shard.parent.mkdir(parents=True)
+    shard.symlink_to("/dev/full")
+    with Appender(shard) as out, pytest.raises(TDLMError) as e:
+        out.write({"id": "t/0", "generation": "x"})
+    assert str(e.value).startswith(f"{run}: no space left on the device appending to shards/{shard.name}")
+    assert "sample 't/0' is not recorded" in str(e.value) and "\n" not in str(e.value)
+
+
 # -- generation -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_generation_full_disk_never_lists_a_partial_shard_and_the_rerun_finishes(disks, prompt_file, tmp_path):  # noqa: F811
@@ -296,7 +328,8 @@ def test_generation_full_disk_never_lists_a_partial_shard_and_the_rerun_finishes
     assert (view / shard_name(0)).stat().st_mtime_ns == mtime0
     m = json.loads((view / MANIFEST).read_text())
     assert m["runs"][-1]["computed_shards"] == [1, 2] and len(m["runs"]) == 1  # the failed runs finished nothing
-    print(f"\ngeneration full-disk step seconds: {[round(x.seconds, 1) for x in (first, second, third)]}")
+    print(f"\ngeneration full-disk step seconds: {[round(x.seconds, 1) for x in (first, second, third)]}; "
+          f"errors: {[x.stderr.strip().splitlines()[-1:] for x in (first, second)]}")
 
 
 # -- evaluation -----------------------------------------------------------------------------------------
@@ -336,7 +369,10 @@ def eval_chain(disks, tmp_path_factory):
     chain["shard_after_second"] = shard.read_bytes()
     disks.resize(mnt, ROOMY)
     chain["third"] = disks.run("evaluate", argv)
-    print(f"\nevaluation full-disk step seconds: {[round(chain[k].seconds, 1) for k in ('first', 'second', 'third')]}")
+    kept = chain["shard_after_first"].count(b"\n")
+    print(f"\nevaluation full-disk step seconds: {[round(chain[k].seconds, 1) for k in ('first', 'second', 'third')]}; "
+          f"samples kept by step 1: {kept}; errors: "
+          f"{[chain[k].stderr.strip().splitlines()[-1:] for k in ('first', 'second')]}")
     return chain
 
 

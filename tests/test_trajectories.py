@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -151,3 +153,19 @@ def test_foreign_files_are_reported(tmp_path):
         read_parquet(other)
     with pytest.raises(tdlm.TDLMError, match="T=0"):
         validate_record(TrajectoryRecord("x", [1], [5], [1], 0))
+
+
+def test_shard_write_on_a_full_disk_leaves_nothing_and_is_one_line(tmp_path):
+    """A real ENOSPC without mounting anything: the temporary name is a symlink to /dev/full, whose every write
+    fails with ENOSPC. The error is one line naming the folder, the temporary file is removed, the shard never
+    appears (tests/test_full_disk.py does the same on a small tmpfs, with partial writes, through the CLI)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    path = tmp_path / "shard-00000.parquet"
+    tmp = tmp_path / f"{path.name}.tmp-{os.getpid()}"
+    tmp.symlink_to("/dev/full")
+    with pytest.raises(tdlm.TDLMError) as e:
+        write_parquet(_records(), path)
+    msg = str(e.value)
+    assert msg.startswith(f"{tmp_path}: no space left on the device writing {path.name}") and "\n" not in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
