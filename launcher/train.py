@@ -17,7 +17,11 @@ Resume the run in --output-dir from its latest checkpoint:
 
 Ctrl-C (SIGINT), SIGTERM or SIGUSR1 (Slurm preemption) to the launcher or any rank: every rank finishes the current
 update, they save a checkpoint together and exit with status 75 ("preempted at step N; resume with --resume").
-Exit status: 0 done, 2 bad input (one line, before any work), 75 stopped at a checkpoint, 1 anything else.
+Exit status: 0 done, 2 bad input (one line, before any work), 75 stopped at a checkpoint, 74 a checkpoint could not be
+written (disk full; the previous one is intact), 76 a rank / node was lost (resume with --resume), 1 anything else.
+Two nodes with torchrun (the same command on each; train.dist_timeout_s bounds a wait on a silent peer):
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint gpu-001:29500 --rdzv_id run1 \
+        launcher/train.py --ds ds_configs/zero3.json --config configs/llada_8b.yaml train.micro_batch_size=2
 
 Overrides are `section.key=value` (e.g. `train.max_steps=100 model.layers=dispersed:8 data.states=8`).
 """
@@ -67,7 +71,15 @@ def _peer_exit(stop, message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tdlm.training.run_dir import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PREEMPTED, STOP, Stopped, stop_with_launcher
+    from tdlm.training.run_dir import (
+        EXIT_BAD_INPUT,
+        EXIT_FAILED,
+        EXIT_PREEMPTED,
+        STOP,
+        RunAborted,
+        Stopped,
+        stop_with_launcher,
+    )
 
     stop = STOP.install()
     stop.immediate = True  # nothing written yet: a stop ends the process (tdlm.training.run_dir.StopRequest)
@@ -114,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if RANK == 0:
             print(e.message, file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
+    except RunAborted as e:  # a full disk at a checkpoint, a lost peer: every rank knows; one prints
+        stop.immediate = False
+        if RANK == e.printer:
+            print(f"error: {e.message}", file=sys.stderr, flush=True)
+        return e.exit_code
     except TDLMError as e:
         stop.immediate = False
         if RANK == 0:

@@ -19,10 +19,13 @@ The recipe, as numbered steps (each a function below):
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
+import re
 import resource
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +51,12 @@ from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import prepare_jit_ops, resolve_ds_config, uses_activation_checkpointing
 from tdlm.training.run_dir import (
     CHECKPOINT_DIR,
+    EXIT_NO_SPACE,
+    EXIT_PEER_LOST,
+    ROLL,
     STOP,
+    RollCall,
+    RunAborted,
     RunLock,
     Stopped,
     check_run_dir,
@@ -59,7 +67,10 @@ from tdlm.training.run_dir import (
     rotate_checkpoints,
     signal_name,
     stop_verb,
+    tree_bytes,
+    verify_checksums,
     write_checksums,
+    write_latest,
 )
 
 
@@ -106,6 +117,8 @@ class Session:
     temporal_parameters: int = 0
     saved_step: int | None = None  # the newest checkpoint on disk (no second save of the same step)
     saved_at: float = 0.0  # time.monotonic() of that save (train.save_every_minutes)
+    roll: RollCall | None = None  # who is who, to name a lost rank (run_dir.RollCall)
+    step: int = 0  # updates done so far in this launch's loop (named when a peer is lost)
 
 
 def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
@@ -153,6 +166,7 @@ def validate_run(run: RunConfig, source: str = "run config") -> None:
         ("train.save_every_minutes", t.save_every_minutes, t.save_every_minutes >= 0, ">= 0 (0 = off)"),
         ("train.keep_last", t.keep_last, t.keep_last >= 0, ">= 0 (0 = keep every checkpoint)"),
         ("train.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+        ("train.dist_timeout_s", t.dist_timeout_s, t.dist_timeout_s > 0, "> 0 (seconds)"),
     ]
     for field, value, ok, want in checks:
         if not ok or (isinstance(value, float) and value != value):
@@ -188,7 +202,7 @@ def preflight_config(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool
 
 
 def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, source: str = "run config",
-              ds_source: str = "ds config") -> dict:
+              ds_source: str = "ds config", check_prompts: bool = True) -> dict:
     """Every check that can fail on user input, before any process group or weight exists.
 
     :func:`preflight_config` (fields, the DS JSON against the run config, the backbone and layer allocation
@@ -204,8 +218,36 @@ def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, sourc
     verify_manifest(run.data.trajectories)
     TrajectoryStream(run.data.trajectories, meta, run.data.states, run.train.micro_batch_size, world_size, 0,
                      run.data.seed, run.data.allow_foreign_backbone)
-    check_trajectory_prompts(run.data.trajectories, run.data.allow_eval_prompts)
+    if check_prompts:
+        check_trajectory_prompts(run.data.trajectories, run.data.allow_eval_prompts)
     return ds_cfg
+
+
+PROMPTS_CHECKED = "prompts_checked.json"  # in the run folder: the trajectories whose prompts passed the check
+
+
+def check_prompts_once(run: RunConfig, rank: int) -> bool:
+    """The evaluation-overlap check of the teacher prompts, by rank 0 only, and once per set of trajectories in a
+    run folder: a resume of the same trajectories (the same manifest, whose shard checksums every launch verifies)
+    does not redo it. Building the evaluation hashes took 27 s per rank per launch for the toy tasks on a loaded
+    2-core machine, with the same answer every time. Returns whether it ran. Other ranks skip it: rank 0's error
+    ends the launch (the launcher stops the other ranks)."""
+    import hashlib
+
+    if rank != 0:
+        return False
+    record = Path(run.output_dir) / PROMPTS_CHECKED
+    key = {"manifest_sha256": hashlib.sha256((Path(run.data.trajectories) / "manifest.json").read_bytes()).hexdigest(),
+           "allow_eval_prompts": run.data.allow_eval_prompts}
+    try:
+        if json.loads(record.read_text()) == key:
+            return False
+    except (OSError, json.JSONDecodeError):
+        pass
+    check_trajectory_prompts(run.data.trajectories, run.data.allow_eval_prompts)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(key) + "\n")
+    return True
 
 
 def temporal_config(run: RunConfig) -> TemporalConfig:
@@ -248,14 +290,23 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     service = None  # rank 0 under a launcher: W&B's service outside the rank's process tree (start_detached_service)
     if int(os.environ.get("RANK", "0")) == 0 and launcher_ancestors() and wandb_mode(run.wandb.mode) != "disabled":
         service = start_detached_service()  # starts now, in the background; used once the W&B run opens
-    ds_pre = preflight(run, ds_raw, world_env, on_gpu, source, ds_source)
+    ds_pre = preflight(run, ds_raw, world_env, on_gpu, source, ds_source, check_prompts=False)
+    check_prompts_once(run, int(os.environ.get("RANK", "0")))
     # No silent JIT build at process-group start, no endless wait on a stale build lock (ds_config.py).
     prepare_jit_ops(ds_pre, on_gpu, int(os.environ.get("RANK", "0")))
     if STOP.requested:  # no process group yet to agree in, and nothing to save: each rank stops on its own
         raise Stopped(f"{stop_verb(STOP.signum)} ({signal_name(STOP.signum)}) before the first update; nothing "
                       f"saved; " + ("resume with --resume" if resume else "run the same command again"), None)
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False,
+                               timeout=datetime.timedelta(seconds=run.train.dist_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Who is who, so that a rank left alone after a collective failed can name the one that is gone (RollCall);
+    # rank 0 first clears the records of earlier launches.
+    if rank == 0:
+        shutil.rmtree(Path(run.output_dir) / ROLL, ignore_errors=True)
+    launch_id = [f"{int(time.time())}-{os.getpid()}"]
+    dist.broadcast_object_list(launch_id, src=0)
+    roll = RollCall(run.output_dir, launch_id[0], rank, world)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(acc.device_name(local_rank)) if on_gpu else torch.device("cpu")
     if on_gpu:
@@ -291,7 +342,7 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     out = Path(run.output_dir)
     tracker: NullTracker = NullTracker()
     sess = Session(run, ds_cfg, engine, model, stream, device, rank, world, tracker, lock=lock,
-                   allow_recipe_change=allow_recipe_change, temporal_parameters=n_temporal)
+                   allow_recipe_change=allow_recipe_change, temporal_parameters=n_temporal, roll=roll)
     if resume:
         sess.start_step = load_checkpoint(sess)
         sess.saved_step = sess.start_step
@@ -326,21 +377,116 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
+class _WriteGuard:
+    """Catches this rank's file-write failures inside ``engine.save_checkpoint`` (torch.save, the recovery-script
+    copy) so that DeepSpeed's own collectives in it still run in step on every rank; after the first failure nothing
+    more is written. The ranks then agree on the outcome (:func:`save_checkpoint`)."""
+
+    def __init__(self, engine) -> None:
+        self.targets = [(engine.checkpoint_engine, "save", 1), (engine, "_copy_recovery_script", 0)]
+        self.error: BaseException | None = None
+        self.path: str | None = None
+        self._saved: list = []
+
+    def _wrap(self, fn, path_arg: int):
+        def guarded(*args, **kwargs):
+            if self.error is not None:
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError (no errno)
+                self.error = e
+                self.path = str(kwargs.get("path", kwargs.get("save_path",
+                                args[path_arg] if len(args) > path_arg else "?")))
+                return None
+        return guarded
+
+    def __enter__(self) -> _WriteGuard:
+        for obj, name, path_arg in self.targets:
+            self._saved.append((obj, name, name in vars(obj), getattr(obj, name)))
+            setattr(obj, name, self._wrap(getattr(obj, name), path_arg))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, own, fn in self._saved:
+            if own:
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """``Type: message`` of an exception on one line, without C++ source-location prefixes (gloo, torch.save)."""
+    text = re.sub(r"\[(enforce fail at )?[^\]]*\.(cc|cpp|hpp|h):\d+\] ?\.? ?", "", str(e).strip())
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
+def _disk_full(errors: list, ckpt: Path, needed: int) -> bool:
+    """ENOSPC / EDQUOT, or (torch.save gives no errno) less room left than a checkpoint needs."""
+    import errno
+    import shutil
+
+    if any(e and e.get("errno") in (errno.ENOSPC, errno.EDQUOT) for e in errors):
+        return True
+    try:
+        return shutil.disk_usage(ckpt).free < max(needed, 1)
+    except OSError:
+        return False
+
+
 def save_checkpoint(sess: Session, step: int) -> None:
     """DeepSpeed checkpoint of the temporal modules + optimizer, with the data position (= step), then
-    SHA256SUMS.json over all its files once every rank has written its part (collective); rank 0 then verifies it
-    and only then deletes the checkpoints beyond ``train.keep_last``."""
+    SHA256SUMS.json over all its files once every rank has written its part (collective); rank 0 then verifies it,
+    points ``latest`` at it, and only then deletes the checkpoints beyond ``train.keep_last``.
+
+    A write that fails on any rank (a full disk) fails the checkpoint on every rank together: rank 0 removes the
+    partial folder (it never had checksums, so no resume would have taken it), ``latest`` and every older checkpoint
+    stay as they were, and every rank raises :class:`RunAborted` with one line naming the folder."""
+    import shutil
+
     import torch.distributed as dist
 
     ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
     tag = f"step-{step}"
-    sess.engine.save_checkpoint(str(ckpt), tag=tag, exclude_frozen_parameters=True,
-                                client_state={"step": step, "config": to_dict(sess.run)})
-    dist.barrier()
+    with _WriteGuard(sess.engine) as guard:
+        # save_latest=False: DeepSpeed would name the tag in `latest` before anyone verified it
+        sess.engine.save_checkpoint(str(ckpt), tag=tag, exclude_frozen_parameters=True, save_latest=False,
+                                    client_state={"step": step, "config": to_dict(sess.run)})
+    mine = None
+    if guard.error is not None:
+        mine = {"rank": sess.rank, "path": guard.path, "errno": getattr(guard.error, "errno", None),
+                "error": first_line(guard.error)}
+    errors: list = [None] * sess.world
+    dist.all_gather_object(errors, mine)  # also the barrier: every rank's files are written (or failed) now
+    outcome: list = [None]
     if sess.rank == 0:
-        write_checksums(ckpt / tag)
-        rotate_checkpoints(ckpt, tag, sess.run.train.keep_last)
-    dist.barrier()
+        failed = [e for e in errors if e]
+        if not failed:
+            try:
+                write_checksums(ckpt / tag)
+                verify_checksums(ckpt / tag)
+                write_latest(ckpt, tag)
+            except (OSError, TDLMError) as e:
+                failed = [{"rank": 0, "path": str(ckpt / tag), "errno": getattr(e, "errno", None),
+                           "error": first_line(e)}]
+        if failed:
+            previous = ckpt / f"step-{sess.saved_step}" if sess.saved_step is not None else None
+            needed = tree_bytes(previous) if previous is not None else tree_bytes(ckpt / tag)
+            full = _disk_full(failed, ckpt, needed)
+            shutil.rmtree(ckpt / tag, ignore_errors=True)  # frees the space; it was never verified nor `latest`
+            first = failed[0]
+            why = "the disk is full" if full else "a write failed"
+            kept = (f"the previous checkpoint {previous.name} is intact (verified)" if previous is not None
+                    else "there is no earlier checkpoint (rerun from the start)")
+            outcome[0] = (f"{ckpt}: {why} while saving checkpoint {tag} (rank {first['rank']}: {first['error']}; "
+                          f"{first['path']}); removed the partial {tag}; {kept}; free space or move the run folder "
+                          f"to a bigger disk, then " + ("resume with --resume" if previous is not None else
+                                                        "run the same command again"))
+        else:
+            rotate_checkpoints(ckpt, tag, sess.run.train.keep_last)
+    dist.broadcast_object_list(outcome, src=0)  # no rank goes on (or exits) before rank 0 settled the folder
+    if outcome[0]:
+        raise RunAborted(outcome[0], EXIT_NO_SPACE)
     sess.saved_step, sess.saved_at = step, time.monotonic()
 
 
@@ -400,6 +546,34 @@ def stop_at_boundary(sess: Session, step: int, signum: int, bar=None) -> None:
         sess.tracker.stop(step, verb, name)
     dist.barrier()  # no rank exits (and has its launcher terminate rank 0) while rank 0 still closes the W&B run
     raise Stopped(f"{verb} at step {step} ({name}; checkpoint {tag_dir}); resume with --resume", step)
+
+
+# -- a lost peer ------------------------------------------------------------------------------------
+PEER_FAILURE_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+                      "timed out", "gloo", "NCCL", "ProcessGroup", "Socket")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """A collective that failed because another rank is gone or silent (gloo / NCCL / the c10d store)."""
+    import torch.distributed as dist
+
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError)
+                                             and any(k in str(e) for k in PEER_FAILURE_HINTS))
+
+
+def peer_lost(sess: Session, e: BaseException) -> RunAborted:
+    """The one line for a rank whose collective broke: which ranks are gone (:class:`RollCall`), during which
+    update, and what ``--resume`` will redo. The lowest surviving rank prints it."""
+    lost, alive = sess.roll.missing(wait_s=min(15.0, sess.run.train.dist_timeout_s))
+    who = ", ".join(sess.roll.describe(r) for r in lost) or "no rank (every rank answered the roll call)"
+    if sess.saved_step is not None:
+        redo = max(0, sess.step - sess.saved_step)
+        then = (f"the newest verified checkpoint is step-{sess.saved_step} ({redo} update{'s' * (redo != 1)} to "
+                f"redo); start every node's command again with --resume")
+    else:
+        then = "no checkpoint yet; start every node's command again (without --resume)"
+    return RunAborted(f"rank {sess.rank}: lost {who} during update {sess.step + 1} ({first_line(e)}); "
+                      f"{then}", EXIT_PEER_LOST, printer=min(alive))
 
 
 # -- the step --------------------------------------------------------------------------------------
@@ -514,22 +688,10 @@ def verify_export(sess: Session, adapter_dir: Path) -> float | None:
     return float((out.float() - ref.float()).abs().max())
 
 
-def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = True,
-          source: str = "run config", ds_source: str = "ds config", allow_recipe_change: bool = False) -> dict:
-    """Run the whole job; returns the summary (rank 0; other ranks return an empty dict).
-
-    Resuming a finished run changes nothing and returns its summary.
-    """
-    world_env, rank_env = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    lock = RunLock(run.output_dir) if rank_env == 0 else None  # first: nothing may race a live run
-    if resume and check_run_dir(run, resume, allow_recipe_change, world_env) == "finished":
-        out = Path(run.output_dir)
-        if rank_env == 0:
-            print(f"{out}: this run finished at step {finished_step(out)} (summary.json); nothing to resume",
-                  flush=True)
-            lock.release()
-        return json.loads((out / "summary.json").read_text()) if rank_env == 0 else {}
-    sess = setup(run, ds_raw, resume, source, ds_source, allow_recipe_change, lock)
+def _updates(sess: Session, progress: bool) -> tuple[dict, int, dict, Path]:
+    """Every collective part of a run after setup: the updates with their checkpoints, the final checkpoint, the
+    export and its checks. Returns (last metrics, supervised tokens, checks, adapter folder)."""
+    run = sess.run
     total = run.train.max_steps
     fingerprint = frozen_fingerprint(sess.model) if run.train.verify_frozen else None
     bar = None
@@ -538,10 +700,10 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
 
         bar = tqdm(total=total, initial=sess.start_step, desc="train", unit="step", dynamic_ncols=True)
     last: dict = {}
-    t_start = time.perf_counter()
     tokens_seen = 0
     try:
         for step in range(sess.start_step, total):
+            sess.step = step
             signum, timed = agree_to_stop(sess)  # the update boundary: every rank takes the same decision here
             if signum:
                 stop_at_boundary(sess, step, signum, bar)
@@ -550,7 +712,7 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
             metrics = train_step(sess, step)
             tokens_seen += metrics["supervised_tokens"]
             last = metrics
-            done = step + 1
+            done = sess.step = step + 1
             if done % run.train.log_every == 0 or done == total:
                 sess.tracker.log(metrics, done)
             if bar is not None:
@@ -570,8 +732,38 @@ def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = T
         checks["frozen_backbone_unchanged"] = frozen_fingerprint(sess.model) == fingerprint
     if run.train.verify_export:
         checks["export_max_abs_diff"] = verify_export(sess, adapter_dir)
+    return last, tokens_seen, checks, adapter_dir
+
+
+def train(run: RunConfig, ds_raw: dict, resume: bool = False, progress: bool = True,
+          source: str = "run config", ds_source: str = "ds config", allow_recipe_change: bool = False) -> dict:
+    """Run the whole job; returns the summary (rank 0; other ranks return an empty dict).
+
+    Resuming a finished run changes nothing and returns its summary.
+    """
+    world_env, rank_env = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    lock = RunLock(run.output_dir) if rank_env == 0 else None  # first: nothing may race a live run
+    if resume and check_run_dir(run, resume, allow_recipe_change, world_env) == "finished":
+        out = Path(run.output_dir)
+        if rank_env == 0:
+            print(f"{out}: this run finished at step {finished_step(out)} (summary.json); nothing to resume",
+                  flush=True)
+            lock.release()
+        return json.loads((out / "summary.json").read_text()) if rank_env == 0 else {}
+    sess = setup(run, ds_raw, resume, source, ds_source, allow_recipe_change, lock)
+    t_start = time.perf_counter()
+    try:
+        last, tokens_seen, checks, adapter_dir = _updates(sess, progress)
+    except (Stopped, RunAborted):
+        raise
+    except Exception as e:
+        if not is_peer_failure(e):
+            raise
+        raise peer_lost(sess, e) from None
+    total = run.train.max_steps
     summary: dict = {}
     if sess.rank == 0:
+        sess.roll.close()
         summary = {
             "checks": checks,
             "steps": total,

@@ -8,6 +8,9 @@ Layout (``--output-dir``)::
     metrics.jsonl              one record per logged step (a torn last line is dropped on resume)
     summary.json               written once, when the run finishes
     checkpoints/step-<N>/      DeepSpeed checkpoint files + SHA256SUMS.json (written after every rank saved)
+    checkpoints/latest         DeepSpeed's pointer: names only a verified tag (written by rank 0 after verifying)
+    prompts_checked.json       the trajectories whose teacher prompts passed the evaluation-overlap check
+    .ranks/<launch>/           host and pid of each rank, to name a lost one (RollCall)
     adapter/                   the exported adapter
     .lock                      flock held by rank 0 for the whole run (pid, host, start time inside)
 
@@ -23,6 +26,9 @@ run files, no ``--resume``                     TDLMError naming the folder and b
 ``--resume``, run finished (summary.json)      a no-op that says so; nothing is rewritten
 newest checkpoint without SHA256SUMS.json      skipped with a warning (its save did not finish)
 checkpoint file whose sha256 differs           TDLMError naming the file (never unpickled)
+a checkpoint write fails (disk full)           every rank stops (exit 74); the partial tag is removed;
+                                               ``latest`` and older tags untouched
+a rank stops answering / dies mid-run          the survivors name it (RollCall) and exit 76
 =============================================  ===================================================
 
 Checkpoints are loaded with pickle by DeepSpeed, so a checkpoint folder is *trusted input*: the checksums
@@ -239,7 +245,9 @@ def rotate_checkpoints(ckpt_dir: Path, newest: str, keep_last: int) -> list[str]
 EXIT_OK = 0
 EXIT_FAILED = 1  # anything unexpected (a traceback)
 EXIT_BAD_INPUT = 2  # a one-line config / input error, before any work
+EXIT_NO_SPACE = 74  # EX_IOERR: a checkpoint could not be written (disk full); the previous one is intact
 EXIT_PREEMPTED = 75  # SIGINT, SIGTERM or SIGUSR1: checkpoint saved (or nothing to save yet); resume with --resume
+EXIT_PEER_LOST = 76  # a rank (node) was lost mid-run: resumable from the newest verified checkpoint with --resume
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -308,6 +316,94 @@ class Stopped(Exception):
     def __init__(self, message: str, step: int | None) -> None:
         super().__init__(message)
         self.message, self.step = message, step
+
+
+class RunAborted(Exception):
+    """Raised on every surviving rank when the run cannot go on but its newest verified checkpoint can (a full disk
+    at a checkpoint, a lost peer). ``message`` is the one line that rank ``printer`` prints; ``exit_code`` is the
+    launcher's status."""
+
+    def __init__(self, message: str, exit_code: int, printer: int = 0) -> None:
+        super().__init__(message)
+        self.message, self.exit_code, self.printer = message, exit_code, printer
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    """DeepSpeed's ``latest`` pointer, written atomically and only for a verified tag (a full disk leaves the old
+    pointer, never a torn one)."""
+    tmp = ckpt_dir / f"latest.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(tag)
+        os.replace(tmp, ckpt_dir / "latest")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+# -- which rank was lost -----------------------------------------------------------------------------
+ROLL = ".ranks"  # <run>/.ranks/<launch id>/rank-<r>.json (who) and alive-<r> (still here after a failure)
+
+
+class RollCall:
+    """Names the ranks that are gone after a collective failed, through the run folder (which every node shares,
+    docs/multi-node.md), because the process group is unusable by then and the c10d store may have died with the
+    node that hosted it.
+
+    At start each rank writes ``rank-<r>.json`` (host, pid). After a failure each survivor writes ``alive-<r>`` and
+    waits up to ``wait_s`` for the others: a rank that wrote ``alive`` is here; one on this host whose pid is dead
+    is lost at once; one that says nothing by the deadline is lost.
+    """
+
+    def __init__(self, run_dir: str | Path, launch_id: str, rank: int, world: int) -> None:
+        self.dir = Path(run_dir) / ROLL / launch_id
+        self.rank, self.world = rank, world
+        self.host = socket.gethostname()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / f"rank-{rank}.json").write_text(json.dumps({"host": self.host, "pid": os.getpid()}))
+
+    def _who(self, r: int) -> dict:
+        try:
+            return json.loads((self.dir / f"rank-{r}.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def missing(self, wait_s: float = 15.0) -> tuple[list[int], list[int]]:
+        """(lost ranks, surviving ranks) as this rank sees them after a failure."""
+        try:
+            (self.dir / f"alive-{self.rank}").write_text(str(os.getpid()))
+        except OSError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive, lost, unknown = [], [], []
+            for r in range(self.world):
+                if r == self.rank or (self.dir / f"alive-{r}").exists():
+                    alive.append(r)
+                    continue
+                who = self._who(r)
+                if who.get("host") == self.host and not Path(f"/proc/{who.get('pid')}").exists():
+                    lost.append(r)
+                else:
+                    unknown.append(r)
+            if not unknown or time.monotonic() >= deadline:
+                return sorted(lost + unknown), alive
+            time.sleep(0.2)
+
+    def describe(self, r: int) -> str:
+        who = self._who(r)
+        return f"rank {r} (host {who.get('host', '?')}, pid {who.get('pid', '?')})"
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.dir.parent.rmdir()  # only when no other launch's records remain
+        except OSError:
+            pass
 
 
 # -- the launcher's life ---------------------------------------------------------------------------
