@@ -24,7 +24,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_multinode_training import ARGS, ENV, SAVE_EVERY, STEPS, options, overrides, shared_reference
+from tests.test_multinode_training import (
+    ARGS,
+    ENV,
+    SAVE_EVERY,
+    STEPS,
+    options,
+    overrides,
+    shared_inputs,
+    shared_reference,
+)
 from tests.test_training import _losses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +106,7 @@ def _cmd(ds: Path, traj: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> tuple[Path, Path]:
-    return shared_reference(tmp_path_factory)[:2]
+    return shared_inputs(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

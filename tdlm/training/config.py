@@ -53,9 +53,10 @@ class TrainLoopConfig:
     save_every_minutes: float = 30.0
     keep_last: int = 2  # checkpoints kept (older ones deleted once the new one verified; 0 = keep all)
     log_every: int = 1
-    # How long a collective waits for a rank that stopped answering before this rank gives up (the process-group
-    # timeout). A dead peer whose connection closes is noticed at once; this bounds a hung or unreachable one.
-    # torch's own default is 30 minutes of GPU time per hang; 10 minutes is ample for a checkpoint of an 8B run.
+    # How long a collective waits, from the first update on, for a rank that stopped answering before this rank gives
+    # up (the process-group timeout; start-up waits use max(this, 600 s)). A dead peer whose connection closes is
+    # noticed at once; this bounds a hung or unreachable one. torch's default is 30 minutes; 10 minutes is ample
+    # for rank 0 to checksum an 8B run's checkpoint while the others wait.
     dist_timeout_s: float = 600.0
     seed: int = 0
     zero_stage: int | None = None  # None = take the DS config's stage; a number must agree with it

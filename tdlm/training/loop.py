@@ -297,8 +297,10 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     if STOP.requested:  # no process group yet to agree in, and nothing to save: each rank stops on its own
         raise Stopped(f"{stop_verb(STOP.signum)} ({signal_name(STOP.signum)}) before the first update; nothing "
                       f"saved; " + ("resume with --resume" if resume else "run the same command again"), None)
+    # Start-up (imports, rank 0's prompt check, loading) differs between ranks by minutes on a loaded node: the
+    # short train.dist_timeout_s applies from the first update on (set_collective_timeout), not to these waits.
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False,
-                               timeout=datetime.timedelta(seconds=run.train.dist_timeout_s))
+                               timeout=datetime.timedelta(seconds=max(run.train.dist_timeout_s, START_TIMEOUT_S)))
     rank, world = dist.get_rank(), dist.get_world_size()
     # Who is who, so that a rank left alone after a collective failed can name the one that is gone (RollCall);
     # rank 0 first clears the records of earlier launches.
@@ -548,6 +550,20 @@ def stop_at_boundary(sess: Session, step: int, signum: int, bar=None) -> None:
     raise Stopped(f"{verb} at step {step} ({name}; checkpoint {tag_dir}); resume with --resume", step)
 
 
+START_TIMEOUT_S = 600.0  # the process-group timeout until the first update (the ranks meet, load, build engines)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every rank at the first update: from here a collective waits at most ``train.dist_timeout_s`` for a silent
+    peer. (torch's own default is 30 minutes; the start-up phase keeps START_TIMEOUT_S.)"""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    dist.barrier()  # under the start-up timeout: no rank is still loading when the short one applies
+    if hasattr(distributed_c10d, "_set_pg_timeout"):  # torch >= 2.2; otherwise START_TIMEOUT_S stays
+        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
+
+
 # -- a lost peer ------------------------------------------------------------------------------------
 PEER_FAILURE_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
                       "timed out", "gloo", "NCCL", "ProcessGroup", "Socket")
@@ -701,6 +717,7 @@ def _updates(sess: Session, progress: bool) -> tuple[dict, int, dict, Path]:
         bar = tqdm(total=total, initial=sess.start_step, desc="train", unit="step", dynamic_ncols=True)
     last: dict = {}
     tokens_seen = 0
+    set_collective_timeout(run.train.dist_timeout_s)
     try:
         for step in range(sess.start_step, total):
             sess.step = step
