@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tdlm
+import tdlm.data.tokenizer  # tdlm is a lazy facade: the submodule is not imported by `import tdlm`
 from tdlm.data.trajectories import TrajectoryRecord, state_at, validate_record
 from tdlm.decoding import DecodeConfig, decode
 from tests.conftest import live_tdlm, sharp_backbone

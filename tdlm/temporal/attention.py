@@ -231,6 +231,7 @@ class TemporalAttention(nn.Module):
         own: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         masked: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Step-wise mode: one evaluation's Eq. 7-9 over a temporal cache, and its own entry.
 
@@ -242,7 +243,9 @@ class TemporalAttention(nn.Module):
         entry where True (history ``current``). ``rope``: :meth:`step_rope` of r, if already computed.
         ``masked`` (b, N, 1) = m_{i,p}: an unmasked query then sees the sink alone, so its z is exactly 0 and
         Eq. 2's mask needs no multiply after the attention (:meth:`correct` with ``masked=None``); the model
-        folds m into ``allowed`` once per evaluation instead.
+        folds m into ``allowed`` once per evaluation instead. ``bias``: this layer's additive mask (b, N, 1 + C),
+        :meth:`step_bias` of ``allowed`` (with ``masked`` folded in), if the caller built it already (the model
+        builds every temporal layer's at once per evaluation, :func:`step_biases`).
         Returns (z (b, N, d_t) or None, kv (b, N, 2, M, d_h): this evaluation's rotated key and value).
         """
         x = rope_rotate(self.project_qkv(h), rope if rope is not None else self.step_rope(r))  # (b, N, 3, M, d_h)
@@ -259,7 +262,8 @@ class TemporalAttention(nn.Module):
             allowed = allowed & (masked | sink)
         q = x[:, :, 0].reshape(b * N, M, 1, dh)  # one query per position and head
         keys, values = kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)  # views (b N, M, 1 + C, d_h)
-        z = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.step_bias(allowed).view(b * N, 1, 1, -1))
+        bias = self.step_bias(allowed) if bias is None else bias
+        z = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.view(b * N, 1, 1, -1))
         return z.view(b, N, M * dh), entry
 
     def step_bias(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -267,6 +271,16 @@ class TemporalAttention(nn.Module):
         log 1 = 0 where allowed and -inf where not (:func:`sink_bias` with the sink already in the layout)."""
         row = F.pad(self.sink.to(self.qkv.weight.dtype), (0, allowed.shape[-1] - 1))  # (1 + C,): b_l, 0, ..., 0
         return torch.where(allowed, row, float("-inf"))
+
+    @staticmethod
+    def step_biases(modules: Sequence[TemporalAttention], allowed: torch.Tensor) -> torch.Tensor:
+        """:meth:`step_bias` of every module in ``modules`` at once, (len(modules), *allowed.shape): one stack of
+        the sink logits and one ``where`` per evaluation instead of a pad and a ``where`` per layer (the same
+        values, bit for bit)."""
+        first = modules[0]
+        sinks = torch.cat([m.sink for m in modules]).to(first.qkv.weight.dtype)  # (L_t,): b_l of each layer
+        rows = F.pad(sinks[:, None], (0, allowed.shape[-1] - 1))  # (L_t, 1 + C): b_l, 0, ..., 0
+        return torch.where(allowed, rows.view(len(modules), *([1] * (allowed.dim() - 1)), -1), float("-inf"))
 
     def latent(self, h: torch.Tensor, r: torch.Tensor, latents: torch.Tensor, r_latents: torch.Tensor) -> torch.Tensor:
         """``latent:M``: Eq. 7-9 of h (b, N, d) at counts r (b,) over each position's latents (b, N, M_lat, d),

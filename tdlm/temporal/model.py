@@ -480,8 +480,11 @@ class TDLM(nn.Module):
         mcol = m.unsqueeze(-1)
         j = None if slots is None else slots[0]
         allowed = None  # (b, N or W, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
+        biases = None  # (L_t, b, N or W, 1 + C): every temporal layer's additive mask, built once per evaluation
         if self.policy.kind != "current" and cache.valid is not None:
             allowed = _history_rows(cache.valid, g.rows, j) & (mcol | cache.sink_column())
+            biases = TemporalAttention.step_biases([self.temporal[str(i)] for i in self.layer_ids], allowed)
+        order = {layer: k for k, layer in enumerate(self.layer_ids)}
         tables: dict = {}  # this evaluation's temporal RoPE tables, computed at the first temporal layer
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -501,7 +504,8 @@ class TDLM(nn.Module):
                 vis = cache.visible(layer)
                 # the storage itself, a view (no copy), unless a window or a row group gathers its rows
                 history = None if vis is None else (_history_rows(vis[0], g.rows, j), allowed)
-                z, kv = mod.step(hr, r, history, rope=tables["rope"])  # Eq. 7-9: 1 matmul, rope, SDPA
+                bias = None if biases is None else biases[order[layer]]
+                z, kv = mod.step(hr, r, history, rope=tables["rope"], bias=bias)  # Eq. 7-9: 1 matmul, rope, SDPA
                 pending.setdefault(layer, []).append((g.rows, slots, kv, m))
                 if z is None:
                     return h
