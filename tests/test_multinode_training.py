@@ -197,7 +197,9 @@ def test_two_torchrun_nodes_lose_one_to_sigkill_and_resume_to_the_single_node_re
     assert m, lines[0]
     me, lost, update, _why, ckpt, redo = map(lambda g: int(g) if g.isdigit() else g, m.groups())
     assert (me, lost) == (0, 1) and ckpt % SAVE_EVERY == 0 and ckpt >= SAVE_EVERY and redo == update - 1 - ckpt
-    assert "exitcode: 76" in log  # EXIT_PEER_LOST, as torchrun reports the rank's status
+    # EXIT_PEER_LOST as torchrun reports it; unless the lost node's agent hosted the c10d store: then the survivor's
+    # agent fails on the store first (RendezvousConnectionError) and never reports its rank's status
+    assert "exitcode: 76" in log or "RendezvousConnectionError" in log, log[-3000:]
     assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log), log[-3000:]  # no traceback of ours
     assert not (out / "summary.json").exists()
     print(f"\nnode lost at update {update}: survivor ended in {lost_s:.1f} s; resume redoes {redo} updates")
@@ -259,18 +261,25 @@ SSHD = "/usr/sbin/sshd"
 ALIASES = {"node-a": "127.0.0.2", "node-b": "127.0.0.3"}  # two "hosts" on the loopback network, one sshd
 
 
+def ssh_missing() -> str:
+    """Why the hostfile launch cannot run here ("" when it can): checked before any fixture launches anything."""
+    missing = [t for t in ("pdsh", "ssh", "ssh-keygen") if shutil.which(t) is None]
+    if not Path(SSHD).exists():
+        missing.append(SSHD)
+    if missing:
+        return f"the hostfile launch needs {', '.join(missing)} (Debian: apt-get install -y pdsh openssh-server)"
+    if os.geteuid() != 0:
+        return "the hostfile launch logs in over ssh as the launching user: this test runs sshd as root"
+    return ""
+
+
 @pytest.fixture
 def local_sshd(tmp_path):
     """A test-owned sshd on a free port (its own host key, authorized_keys and pid file in a temp folder), and an
     ``ssh`` on PATH that uses its own config (aliases, key, no host-key prompts): nothing of the machine's ssh setup
     is read or changed. Debian: ``apt-get install -y pdsh openssh-server``."""
-    missing = [t for t in ("pdsh", "ssh", "ssh-keygen") if shutil.which(t) is None]
-    if not Path(SSHD).exists():
-        missing.append(SSHD)
-    if missing:
-        pytest.skip(f"the hostfile launch needs {', '.join(missing)} (Debian: apt-get install -y pdsh openssh-server)")
-    if os.geteuid() != 0:
-        pytest.skip("the hostfile launch logs in over ssh as the launching user: this test runs sshd as root")
+    if ssh_missing():
+        pytest.skip(ssh_missing())
     d = tmp_path / "ssh"
     (d / "bin").mkdir(parents=True)
     for key in ("host_key", "id"):
@@ -307,6 +316,7 @@ def local_sshd(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(bool(ssh_missing()), reason=ssh_missing() or "-")
 def test_deepspeed_hostfile_launch_over_ssh_matches_the_single_node_run(tmp_path, fixture_files, single_node,
                                                                        local_sshd):
     """docs/multi-node.md's ``deepspeed --hostfile`` command, one rank on each of two ssh "hosts" (pdsh starts

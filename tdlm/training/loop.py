@@ -245,8 +245,11 @@ def check_prompts_once(run: RunConfig, rank: int) -> bool:
     except (OSError, json.JSONDecodeError):
         pass
     check_trajectory_prompts(run.data.trajectories, run.data.allow_eval_prompts)
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(key) + "\n")
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(key) + "\n")
+    except OSError:  # only a cache: a torn record does not parse, and the next launch checks again
+        pass
     return True
 
 

@@ -361,8 +361,11 @@ class RollCall:
         self.dir = Path(run_dir) / ROLL / launch_id
         self.rank, self.world = rank, world
         self.host = socket.gethostname()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / f"rank-{rank}.json").write_text(json.dumps({"host": self.host, "pid": os.getpid()}))
+        try:  # a roll call that cannot be written (full disk) only makes the lost ranks "?": never a reason to stop
+            self.dir.mkdir(parents=True, exist_ok=True)
+            (self.dir / f"rank-{rank}.json").write_text(json.dumps({"host": self.host, "pid": os.getpid()}))
+        except OSError:
+            pass
 
     def _who(self, r: int) -> dict:
         try:
