@@ -284,3 +284,20 @@ def test_temporal_layer_dispatches_at_most_half_a_block(backbone_name):
     assert sum(layer.values()) <= sum(block.ops.values()) / 2, (sum(layer.values()), sum(block.ops.values()), layer)
     assert sum(n for op, n in layer.items() if "scaled_dot_product" in op) == 1, layer
     assert sum(n for op, n in layer.items() if op.split(".")[1] in ("mm", "bmm", "baddbmm_", "addmm")) == 2, layer
+
+
+def test_every_layers_bias_built_at_once_equals_each_layers_own():
+    """``step_biases`` (once per evaluation, all temporal layers) is each layer's ``step_bias``, bit for bit and in
+    layer order: b_l in the sink column, 0 where a slot is allowed, -inf where not."""
+    g = torch.Generator().manual_seed(3)
+    mods = [module(seed=s) for s in range(3)]
+    with torch.no_grad():
+        for k, mod in enumerate(mods):
+            mod.sink.fill_(0.25 * (k + 1))
+    allowed = torch.rand(2, 5, 1 + 4, generator=g) > 0.5
+    allowed[..., 0] = True
+    both = TemporalAttention.step_biases(mods, allowed)
+    assert both.shape == (3, *allowed.shape)
+    for k, mod in enumerate(mods):
+        assert torch.equal(both[k], mod.step_bias(allowed))
+        assert torch.equal(both[k][..., 0], torch.full(allowed.shape[:-1], 0.25 * (k + 1)))
