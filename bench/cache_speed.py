@@ -15,9 +15,11 @@ step would commit one token (256 NFE, nothing like a trained model under tau 0.9
 multiplied by ``--head-scale`` (default 110): over the 8 requests the threshold rule then takes a few to a
 dozen evaluations per block, about the paper's LLaDA GSM8K regime (TDLM ~40 NFE for 256 tokens). For each
 policy and batch size the three caches decode the same requests side by side (their order rotates), after
-one untimed warm-up decode per cache. Batch 1 decodes the first request, batch 8 the eight requests as one
-batch (equal lengths: no padding). Times are the process's CPU seconds (one torch thread: the busy time of
-the one core used, robust to other processes on a shared machine; wall seconds are recorded too).
+one untimed warm-up decode per cache (the shared harness, ``bench/timing.py``; ``--rounds`` repeats the
+interleaved rounds and keeps each cache's least contended one). Batch 1 decodes the first request, batch 8
+the eight requests as one batch (equal lengths: no padding). Times are the process's CPU seconds (one torch
+thread: the busy time of the one core used, robust to other processes on a shared machine;
+wall seconds are recorded too).
 Reported: NFE per request, ms per NFE = CPU seconds / the requests' summed NFE (the cost of one evaluation of
 one request; batched rows share a forward), generated tokens/s = batch x 256 / CPU seconds, and both ratios
 against ``none``. The per-NFE gain of a cache grows with the
@@ -50,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from benchlib import build_tdlm, machine, write_result  # noqa: E402  (bench/ is sys.path[0] as a script)
+from timing import interleaved, rotated  # noqa: E402  (the shared harness, bench/timing.py)
 
 import tdlm  # noqa: E402
 
@@ -72,14 +75,17 @@ def build(head_scale: float) -> tdlm.TDLM:
     return model
 
 
-def decode_once(model: tdlm.TDLM, policy: str, prompts: list[list[int]], cfg: tdlm.DecodeConfig, cache: str) -> dict:
+def decode_once(model: tdlm.TDLM, policy: str, prompts: list[list[int]], cfg: tdlm.DecodeConfig, cache: str):
     target = model if policy == "tdlm" else model.backbone
-    c0, t0 = time.process_time(), time.perf_counter()
-    res = tdlm.decode(target, prompts, cfg, policy=policy, cache=cache)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    return tdlm.decode(target, prompts, cfg, policy=policy, cache=cache)
+
+
+def row(sample, prompts: int, gen_length: int) -> dict:
+    """One timed decode (a :class:`timing.Sample` of :func:`decode_once`) as a result row."""
+    res, cpu = sample.value, sample.cpu_s
     nfe = [r.nfe for r in res]
-    return {"cpu_s": cpu, "wall_s": wall, "nfe": nfe, "nfe_mean": sum(nfe) / len(nfe), "evaluations": max(nfe),
-            "ms_per_nfe": 1000 * cpu / sum(nfe), "tokens_per_s": len(prompts) * cfg.gen_length / cpu,
+    return {"cpu_s": cpu, "wall_s": sample.wall_s, "nfe": nfe, "nfe_mean": sum(nfe) / len(nfe),
+            "evaluations": max(nfe), "ms_per_nfe": 1000 * cpu / sum(nfe), "tokens_per_s": prompts * gen_length / cpu,
             "tokens": [r.tokens for r in res]}  # fmt: skip
 
 
@@ -95,12 +101,14 @@ def speed(args: argparse.Namespace) -> list[dict]:
     rows, turn = [], 0
     for policy in args.policies:
         for batch in args.batch_sizes:
-            order = CACHES[turn % 3 :] + CACHES[: turn % 3]  # rotate which cache runs first
+            order = rotated(list(CACHES), turn)  # rotate which cache runs first, setting to setting
             turn += 1
+            cands = {c: (lambda c=c, p=policy, b=batch: decode_once(model, p, requests[:b], cfg, c)) for c in order}
+            t = interleaved(cands, args.rounds)  # the shared harness: caches side by side, rotated per round
             got = {}
             for cache in order:
-                got[cache] = decode_once(model, policy, requests[:batch], cfg, cache)
-                r = got[cache]
+                best = min(t.samples[cache], key=lambda x: x.cpu_s)  # the least contended round
+                got[cache] = r = row(best, batch, cfg.gen_length)
                 print(f"  {policy:9s} batch {batch} {cache:6s}: {r['cpu_s']:7.1f} CPU s ({r['wall_s']:.1f} wall), "
                       f"NFE {r['nfe_mean']:6.1f}, "
                       f"{r['ms_per_nfe']:7.1f} ms/NFE, {r['tokens_per_s']:6.1f} tok/s", file=sys.stderr, flush=True)
@@ -175,6 +183,7 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--head-scale", type=float, default=110.0, help="LM-head multiplier of the random model")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds per setting (the least CPU time kept)")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--quality-block-sizes", nargs="+", type=int, default=[40, 8],
@@ -218,6 +227,8 @@ def main() -> int:
             "settings": {"prompt_len": args.prompt_len, "gen_length": args.gen_length, "block_size": args.block_size,
                          "threshold": 0.9, "head_scale": args.head_scale, "batch_sizes": args.batch_sizes,
                          "medium_config": MEDIUM, "medium_seed": MEDIUM_SEED, "threads": args.threads,
+                         "rounds": args.rounds, "timing": "bench/timing.py interleaved (caches side by side, order "
+                                                          "rotated); each row is the round with the least CPU time",
                          "quality": None if args.skip_quality else {
                              "backbone": "tiny-arith", "adapter": adapter, "problems": args.problems,
                              "gen_length": 40, "block_sizes": args.quality_block_sizes, "tau": 0.9}},

@@ -8,6 +8,9 @@ Commands (from the repository root, venv active)::
 
 What is measured. Wall time of :func:`tdlm.decode` over ``--samples`` requests, decoded ``batch``
 at a time (after one untimed warm-up call of the same batch size); samples/s = requests / seconds.
+Timing is the shared harness (:mod:`timing`): per model, every policy x batch size runs once per round
+(``--rounds``, default 3) in an order rotated every round, so a change of machine load lands on all of them
+alike; ``seconds`` is the minimum over rounds (``seconds_median`` and the CPU seconds are kept too).
 NFE per sample is the mean number of denoiser evaluations. Requests are random non-special token ids
 (fixed seed) of ``--prompt-len`` tokens, ``--gen-length`` response tokens in blocks of
 ``--block-size``; all requests in a batch have the same length (no padding).
@@ -35,11 +38,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 from benchlib import build_tdlm, machine, write_result  # bench/ is sys.path[0] when run as a script
+from timing import interleaved, summary
 
 import tdlm
 
@@ -63,16 +66,34 @@ def requests(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(8, vocab, (n, length), generator=g).tolist()  # ids < 8 are specials
 
 
-def measure(model: tdlm.TDLM, policy: str, batch: int, prompts: list[list[int]], cfg: tdlm.DecodeConfig) -> dict:
+def runner(model: tdlm.TDLM, policy: str, batch: int, prompts: list[list[int]], cfg: tdlm.DecodeConfig):
+    """One measurement: every request decoded ``batch`` at a time; returns the NFE per request."""
     target = model if policy == "tdlm" else model.backbone
     tdlm.decode(target, prompts[:batch], cfg, policy=policy)  # warm-up (allocator, first-call paths)
-    t0 = time.perf_counter()
-    nfe = []
-    for start in range(0, len(prompts), batch):
-        nfe.extend(r.nfe for r in tdlm.decode(target, prompts[start : start + batch], cfg, policy=policy))
-    seconds = time.perf_counter() - t0
-    return {"samples": len(prompts), "seconds": seconds, "samples_per_s": len(prompts) / seconds,
-            "nfe_per_sample": sum(nfe) / len(nfe)}  # fmt: skip
+
+    def run() -> list[int]:
+        nfe = []
+        for start in range(0, len(prompts), batch):
+            nfe.extend(r.nfe for r in tdlm.decode(target, prompts[start : start + batch], cfg, policy=policy))
+        return nfe
+
+    return run
+
+
+def measure(model: tdlm.TDLM, policies, batch_sizes, prompts: list[list[int]], cfg: tdlm.DecodeConfig,
+            rounds: int) -> dict[tuple[str, int], dict]:  # fmt: skip
+    """Every (policy, batch) of one model side by side (:func:`timing.interleaved`), min / median of rounds."""
+    cands = {f"{p}/{b}": runner(model, p, b, prompts, cfg) for p in policies for b in batch_sizes}
+    t = interleaved(cands, rounds)
+    out = {}
+    for name in cands:
+        p, b = name.split("/")
+        wall, cpu = summary(t.seconds(name, "wall")), summary(t.seconds(name, "cpu"))
+        nfe = t.samples[name][0].value
+        out[(p, int(b))] = {"samples": len(prompts), "seconds": wall["min"], "seconds_median": wall["median"],
+                            "cpu_seconds": cpu["min"], "rounds": rounds,
+                            "samples_per_s": len(prompts) / wall["min"], "nfe_per_sample": sum(nfe) / len(nfe)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-length", type=int, default=64, help="response tokens")
     ap.add_argument("--block-size", type=int, default=32, help="block size")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 = one Ray CPU actor)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per measurement (min is reported)")
     ap.add_argument("--quick", action="store_true", help="tiny only, 16 samples; no JSON unless --out")
     ap.add_argument("--out", type=Path, default=None, help=f"result JSON (default: {RESULTS} unless --quick)")
     args = ap.parse_args(argv)
@@ -101,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         n = args.medium_samples if size == "medium" else args.samples
         n = max(n, max(args.batch_sizes))
         prompts = requests(n, args.prompt_len, model.backbone.vocab_size)
+        got = measure(model, args.policies, args.batch_sizes, prompts, cfg, args.rounds)
         for policy in args.policies:
             for bs in args.batch_sizes:
-                r = measure(model, policy, bs, prompts, cfg)
+                r = got[(policy, bs)]
                 rows.append({"size": size, "policy": policy, "batch": bs, **r})
                 print(f"  {size:6s} {policy:9s} batch {bs:2d}: {r['samples_per_s']:7.2f} samples/s "
                       f"NFE {r['nfe_per_sample']:.1f}", file=sys.stderr)  # fmt: skip
@@ -128,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             "bench": "decode_throughput",
             **machine(),
             "threads": args.threads,
+            "rounds": args.rounds,
+            "timing": "bench/timing.py interleaved, order rotated per round; seconds = min of rounds (wall)",
             "load_avg_before": load_before,
             "load_avg_after": load_after,
             "settings": {"prompt_len": args.prompt_len, "gen_length": args.gen_length, "block_size": args.block_size,

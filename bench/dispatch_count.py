@@ -16,7 +16,16 @@ number of operations it adds. Two counts:
   aten fallbacks (``torch.ops.aten.*``), i.e. the launches one evaluation makes. Op/kernel counts do not grow
   with width, so small width gives the count of the true model (fusion decisions can differ slightly).
 
-Usage:  python bench/dispatch_count.py [--out bench/results/dispatch_count.json] [--no-compiled]
+Per temporal layer the compiled TDLM graph launches (``kernels_per_temporal_layer``, read off the generated
+``call()``): the residual sum h = x + W_ao o materialised (inductor folds it into the next RMSNorm in the
+backbone's graph, but the temporal projection is an extern GEMM and needs h in memory), the fused W_QKV GEMM, one
+fused kernel (RoPE of q and, before this change, the layer's sink bias), the temporal SDPA and W_O as one
+in-place ``baddbmm`` into h; the history writes of all layers are one kernel per NFE. ``--backbone-addmm``
+adds a what-if count (``compiled_backbone_addmm``, LLaDA only): the backbone's attention output computed as
+``torch.addmm(x, o, W_ao^T)``, so the extern GEMM writes h itself (a change to ``tdlm/models/llada.py``, proposed,
+not made here).
+
+Usage:  python bench/dispatch_count.py [--out bench/results/dispatch_count.json] [--no-compiled] [--backbone-addmm]
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -241,8 +251,11 @@ def compiled_counts(name: str, prompt: int, gen: int, warm: int, width: int, sav
         Path(save_code, f"{name}_tdlm.py").write_text("\n".join(code_t))
     k_bb, k_t = kernels_in("\n".join(code_bb)), kernels_in("\n".join(code_t))
     n_bb, n_t = sum(k_bb.values()), sum(k_t.values())
+    n_l = len(model.layer_ids)
     return {
         "width": width,
+        "temporal_layers": n_l,
+        "kernels_per_temporal_layer": round((n_t - n_bb) / n_l, 2),
         "graphs": {"backbone": len(code_bb), "tdlm": len(code_t)},
         "backbone_kernels_per_nfe": n_bb,
         "tdlm_kernels_per_nfe": n_t,
@@ -251,6 +264,31 @@ def compiled_counts(name: str, prompt: int, gen: int, warm: int, width: int, sav
         "tdlm_kernels_by_kind": dict(k_t.most_common()),
         "compile_s": {"backbone": round(t_bb, 1), "tdlm": round(t_t, 1)},
     }
+
+
+@contextlib.contextmanager
+def backbone_addmm():
+    """What-if: LLaDA's attention sublayer returns ``addmm(x, o, W_ao^T)`` (the GEMM writes the residual sum)
+    instead of ``x + attn_out(o)``; the same math. Restored on exit."""
+    from tdlm.models import llada
+
+    orig = llada.LLaDABlock.attend
+
+    def attend(self, x, ctx, layer=None):
+        B, L, _ = x.shape
+        a = self.attn_norm(x)
+        q = self.q_proj(a).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(a).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(a).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = llada.apply_rope(q, ctx.cos, ctx.sin), llada.apply_rope(k, ctx.cos, ctx.sin)
+        o = llada.spatial_attention(q, k, v, ctx, layer).transpose(1, 2).reshape(B * L, -1)
+        return torch.addmm(x.reshape(B * L, -1), o, self.attn_out.weight.t()).view(B, L, -1)
+
+    llada.LLaDABlock.attend = attend
+    try:
+        yield
+    finally:
+        llada.LLaDABlock.attend = orig
 
 
 def main() -> None:
@@ -266,10 +304,16 @@ def main() -> None:
     ap.add_argument("--save-code", default=None, help="folder to write the inductor output code to")
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. which attention code ran)")
     ap.add_argument("--before", default=None, help="JSON of an earlier run (e.g. the code before a change) to embed")
+    ap.add_argument("--compiled-models", default=",".join(MODELS),
+                    help="comma list of models whose compiled graph is counted (the others are carried over from "
+                         "--before when given)")
+    ap.add_argument("--backbone-addmm", action="store_true",
+                    help="also count LLaDA compiled with the backbone's attention output as one addmm (what-if)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     shape = {"prompt": args.prompt, "gen": args.gen, "batch": 1, "dtype": "bfloat16", "warm_history": args.warm}
-    result: dict = {"machine": machine(), "label": args.label, "shape": shape, "eager": {}, "compiled": {}}
+    result: dict = {"machine": machine(), "load_before": os.getloadavg(), "label": args.label, "shape": shape,
+                    "eager": {}, "compiled": {}}
     print(f"eager aten ops per NFE (meta tensors, true shapes, prompt {args.prompt} + {args.gen}, batch 1)")
     print(f"{'model':10} {'backbone':>9} {'tdlm':>7} {'ratio':>6} {'block':>6} {'t-layer':>8} {'t/block':>8} "
           f"{'NFE delta/L_t':>14}")
@@ -282,18 +326,41 @@ def main() -> None:
     if not args.no_compiled:
         print(f"\ncompiled kernels per NFE (inductor, {'cpu'}, width {args.width}, true depth and allocation)")
         print(f"{'model':10} {'backbone':>9} {'tdlm':>7} {'ratio':>6} {'graphs':>7}")
+        before = json.loads(Path(args.before).read_text()) if args.before else {}
         for name in MODELS:
+            if name not in args.compiled_models.split(","):
+                if name in before.get("compiled", {}):
+                    old = dict(before["compiled"][name], carried_over_from=args.before)
+                    n_l = before["eager"][name]["temporal_layers"]
+                    old.setdefault("temporal_layers", n_l)
+                    old.setdefault("kernels_per_temporal_layer",
+                                   round((old["tdlm_kernels_per_nfe"] - old["backbone_kernels_per_nfe"]) / n_l, 2))
+                    result["compiled"][name] = old
+                    print(f"{name:10} carried over from {args.before}")
+                continue
             with contextlib.suppress(KeyboardInterrupt):
                 r = compiled_counts(name, args.compiled_prompt, args.compiled_gen, args.warm, args.width,
                                     args.save_code)  # fmt: skip
                 result["compiled"][name] = r
                 print(f"{name:10} {r['backbone_kernels_per_nfe']:9d} {r['tdlm_kernels_per_nfe']:7d} "
                       f"{r['tdlm_over_backbone']:6.3f} {r['graphs']['tdlm']:7d}")
+        if args.backbone_addmm:
+            with backbone_addmm():
+                r = compiled_counts("llada-8b", args.compiled_prompt, args.compiled_gen, args.warm, args.width)
+            result["compiled_backbone_addmm"] = {"llada-8b": r}
+            print(f"{'llada-8b':10} {r['backbone_kernels_per_nfe']:9d} {r['tdlm_kernels_per_nfe']:7d} "
+                  f"{r['tdlm_over_backbone']:6.3f} {r['graphs']['tdlm']:7d}  (what-if: backbone attention output "
+                  f"as addmm)")
+        for name, r in result["compiled"].items():
+            print(f"{name}: {r['kernels_per_temporal_layer']} kernels per temporal layer (target <= 3)")
     e = result["eager"]
+    result["load_after"] = os.getloadavg()
     result["targets"] = {
         "temporal_layer_over_block_le_0.5": {k: v["temporal_layer_over_block"] <= 0.5 for k, v in e.items()},
         "compiled_tdlm_over_backbone_le_1.10": {k: v["tdlm_over_backbone"] <= 1.10
                                                 for k, v in result["compiled"].items()},
+        "compiled_kernels_per_temporal_layer_le_3": {k: v["kernels_per_temporal_layer"] <= 3
+                                                     for k, v in result["compiled"].items()},
     }
     if args.before:
         result["before"] = json.loads(Path(args.before).read_text())

@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import timing  # the shared interleaved harness (bench/timing.py)
 import torch
 from benchlib import build_tdlm, write_result  # bench/ is sys.path[0] when run as a script
 
@@ -114,28 +115,26 @@ def cache_bytes(cache: tdlm.TemporalCache) -> tuple[int, int]:
 
 
 # -- timing ------------------------------------------------------------------------------------
-def sample(fn: Callable[[], object], inner: int) -> tuple[float, float]:
-    """Mean (wall, process CPU) seconds per call over ``inner`` back-to-back calls."""
-    c0, t0 = time.process_time(), time.perf_counter()
-    for _ in range(inner):
-        fn()
-    return (time.perf_counter() - t0) / inner, (time.process_time() - c0) / inner
+def repeated(fn: Callable[[], object], inner: int) -> Callable[[], None]:
+    """``fn`` called ``inner`` times back to back: one sample of the shared harness."""
+
+    def run() -> None:
+        for _ in range(inner):
+            fn()
+
+    return run
 
 
 def interleaved(a: Callable, b: Callable, repeats: int, inner: int) -> tuple[list, list, list, list]:
-    """Alternate A and B (AB, BA, AB, ...) so slow load drift hits both equally.
+    """A and B side by side on the shared harness (:func:`timing.interleaved`: AB, BA, AB, ... with the garbage
+    collector off), each sample the mean of ``inner`` back-to-back calls.
 
     Returns wall seconds of A and B, then process CPU seconds of A and B, one entry per pair.
     """
-    sa, sb = [], []
-    for r in range(repeats):
-        if r % 2 == 0:
-            sa.append(sample(a, inner))
-            sb.append(sample(b, inner))
-        else:
-            sb.append(sample(b, inner))
-            sa.append(sample(a, inner))
-    return [x[0] for x in sa], [x[0] for x in sb], [x[1] for x in sa], [x[1] for x in sb]
+    t = timing.interleaved({"a": repeated(a, inner), "b": repeated(b, inner)}, repeats)
+    per = lambda _s: inner  # noqa: E731
+    return (t.seconds("a", "wall", per), t.seconds("b", "wall", per), t.seconds("a", "cpu", per),
+            t.seconds("b", "cpu", per))  # fmt: skip
 
 
 def bench_size(size: str, hs: list[int], args: argparse.Namespace) -> tuple[list[dict], dict, tdlm.TDLM]:
@@ -270,10 +269,10 @@ def piece_times(model: tdlm.TDLM, cache: tdlm.TemporalCache, repeats: int) -> li
         "validity mask (once per evaluation)": lambda: valid & (mcol | cache.sink_column()),
     }
     out = []
-    for name, fn in pieces.items():
-        for _ in range(3):
-            fn()
-        ts = [sample(fn, 20)[0] for _ in range(repeats)]
+    # the pieces side by side on the shared harness, 20 calls per sample, after one untimed round
+    t = timing.interleaved({name: repeated(fn, 20) for name, fn in pieces.items()}, repeats, warmup=1)
+    for name in pieces:
+        ts = t.seconds(name, "wall", lambda _s: 20)
         out.append({"piece": name, "ms_per_layer": statistics.median(ts) * 1e3, "min_ms_per_layer": min(ts) * 1e3})
     # "step total" already contains the matmul and the rotation; the tables are made once per evaluation
     parts = [r for r in out if not r["piece"].startswith(("qkv matmul", "rope "))]
