@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # e.g. https://download.pytorch.org/whl/cu128 for CUDA wheels on aarch64 (GH200) nodes (see README)
 TORCH_INDEX_URL ?=
 
-.PHONY: test demo lint venv bubblewrap clean bench
+.PHONY: test demo lint venv bubblewrap multinode-tools clean bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,7 +39,20 @@ bubblewrap:
 	    echo "bubblewrap: apt-get install failed; the sandbox uses its in-house namespaces"; \
 	else echo "bubblewrap: not installed (needs root + apt-get); the sandbox uses its in-house namespaces"; fi
 
-test: $(STAMP) bubblewrap
+# The `deepspeed --hostfile` test (tests/test_multinode_training.py) needs pdsh and an sshd binary (it runs its own
+# sshd on a free loopback port and stops it). Opt-in, since openssh-server is a server a user may not want installed:
+# `make test MULTINODE_TOOLS=install` (CI does); without them that one test is skipped with the reason.
+MULTINODE_TOOLS ?= skip
+multinode-tools:
+	@if [ "$(MULTINODE_TOOLS)" != install ]; then :; \
+	elif command -v pdsh >/dev/null 2>&1 && [ -x /usr/sbin/sshd ]; then echo "multinode tools: pdsh and sshd present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get install -y -qq pdsh openssh-server >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && \
+	     apt-get install -y -qq pdsh openssh-server >/dev/null 2>&1)) && echo "multinode tools: installed with apt-get" || \
+	    echo "multinode tools: apt-get install failed; the hostfile test is skipped"; \
+	else echo "multinode tools: need root + apt-get; the hostfile test is skipped"; fi
+
+test: $(STAMP) bubblewrap multinode-tools
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -rfEs tests
 
 demo: $(STAMP)
