@@ -259,6 +259,15 @@ class HeadLost(TDLMError):
     """The Ray head (GCS) stopped answering: the job stops in one line; finished samples stay on disk for a rerun."""
 
 
+_HEAD_LOST = False
+
+
+def head_lost() -> bool:
+    """True once this process lost its Ray head: its entry point should leave with ``os._exit`` after the error line
+    (Ray's teardown then exits from C++ or waits for the dead GCS)."""
+    return _HEAD_LOST
+
+
 class ClusterWatch:
     """Liveness of the Ray head and of the nodes the workers run on, checked by the driver between results.
 
@@ -294,7 +303,8 @@ class ClusterWatch:
             socket.create_connection((host, int(port)), timeout=min(2.0, self.timeout_s)).close()
         except OSError:
             if now - self.last_ok >= self.timeout_s:
-                self.lost = True
+                global _HEAD_LOST
+                self.lost = _HEAD_LOST = True
                 raise HeadLost(f"lost the Ray head at {self.address} (no answer for {now - self.last_ok:.0f} s); "
                                f"{where}: rerun the same command on a running cluster to resume") from None
             return self.dead_nodes

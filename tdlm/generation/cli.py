@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
 from tdlm.decoding import CACHE_MODES, POLICIES
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
-from tdlm.generation.driver import generate
+from tdlm.generation.driver import HeadLost, generate
 
 # How the GenerationConfig fields appear on the command line; each flag's help is the field's own comment in
 # tdlm/generation/config.py, so a new field gets a flag without an edit here (tests/test_first_contact.py pins
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         summary = generate(cfg)
+    except HeadLost as e:
+        # Leave without Ray's teardown: with the head gone it exits from C++ or waits for the GCS; the line is all.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
