@@ -48,6 +48,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 import weakref
@@ -651,9 +652,12 @@ def _tdlm_at(name: str, mode: FakeTensorMode, history: str, depth: int | None) -
 
 
 # -- the roofline table -----------------------------------------------------------------------------------
-def compiled_kernels() -> dict:
+KERNELS_JSON = ROOT / "bench" / "results" / "dispatch_count.json"
+
+
+def compiled_kernels(path: str | Path = KERNELS_JSON) -> dict:
     """Kernels per uncached NFE of the compiled graph, measured by bench/dispatch_count.py (``compiled``)."""
-    raw = json.loads((ROOT / "bench" / "results" / "dispatch_count.json").read_text())["compiled"]
+    raw = json.loads(Path(path).read_text())["compiled"]
     return {m: {"backbone": v["backbone_kernels_per_nfe"], "tdlm": v["tdlm_kernels_per_nfe"]} for m, v in raw.items()}
 
 
@@ -670,8 +674,8 @@ def per_nfe(rows: list[dict], ref_kernels: dict, launch_us: float, evals_per_blo
     uncached evaluation, or a block's refresh plus ``evals_per_block - 1`` window steps.
 
     Launches: the kernels inductor generated for an uncached NFE of the backbone / TDLM (``ref_kernels``,
-    bench/dispatch_count.py; its TDLM count predates the attention-layout history, which removed copies, so it is
-    an upper bound for the step as it is now), scaled for other step kinds by their fusion-aware estimate
+    bench/dispatch_count.py, measured on the step as it is now: 5 kernels per temporal layer plus the history write
+    and the tables once per NFE), scaled for other step kinds by their fusion-aware estimate
     (``kernels_fused_est``) over the uncached one."""
     out: dict = {}
     base = {r["label"]: r["eval"]["kernels_fused_est"] for r in rows if r["cache"] == "none"}
@@ -792,6 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 blocks deep (shapes per block unchanged): a smoke run")
     ap.add_argument("--models", default="llada-8b,dream-7b")
     ap.add_argument("--launch-us", type=float, default=LAUNCH_US, help="µs per kernel launch without CUDA graphs")
+    ap.add_argument("--kernels", default=str(KERNELS_JSON),
+                    help="bench/dispatch_count.py JSON whose compiled kernel counts set the launch term")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: train, memory, nfe, gpu_check")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="combine the sections of earlier runs' JSON files (later files win) into --out and reprint "
@@ -804,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     depth = 4 if args.quick else None
     skip = set(filter(None, args.skip.split(",")))
     models = args.models.split(",")
-    result: dict = {"machine": machine(), "quick": args.quick, "gpus": GPUS, "paper": PAPER,
+    result: dict = {"machine": machine(), "load_before": os.getloadavg(), "quick": args.quick, "gpus": GPUS,
+                    "paper": PAPER,
                     "launch_us": args.launch_us, "decode_shape": DECODE, "train_shape": TRAIN_SHAPE,
                     "method": "FakeTensorMode at true shape; MemTracker, FlopCounterMode, Ledger (bench/true_shape.py "
                               "docstring: what is traced and what is modelled)"}  # fmt: skip
@@ -845,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"in 141 GB with 2 GiB reserve: {g['max_batch']} (traced there: {g['peak_at_max_batch'] / GiB:.1f} "
                   f"GiB, fits {g['fits']})")  # fmt: skip
     if "nfe" not in skip:
-        kernels = compiled_kernels()
+        kernels = compiled_kernels(args.kernels)
         evals_per_block = PAPER["nfe"] / (DECODE["gen"] / DECODE["block"])
         blocks = (0, DECODE["gen"] // DECODE["block"] - 1)
         result["nfe"] = {}
@@ -855,14 +862,15 @@ def main(argv: list[str] | None = None) -> int:
             result["nfe"][name] = {"rows": rows, "trace_s": secs, "evals_per_block": evals_per_block,
                                    "per_nfe_ms": {f"{k[0]}|{k[1]}": v for k, v in avg.items()},
                                    "compiled_kernels": kernels[name],
-                                   "compiled_kernels_source": "bench/results/dispatch_count.json"}  # fmt: skip
+                                   "compiled_kernels_source": str(args.kernels)}  # fmt: skip
         result["table"] = summary_table(result, models)
         result["targets"] = targets(result)
     if "gpu_check" not in skip:
-        kernels = compiled_kernels()
+        kernels = compiled_kernels(args.kernels)
         result["gpu_check"] = {"shape": GPU_CHECK, "gpu": "h200", "rows": [
             r for name in models for r in gpu_check_predictions(name, depth, kernels[name], args.launch_us)]}
     result["seconds"] = time.perf_counter() - t0
+    result["load_after"] = os.getloadavg()
     write_result(args.out, result)
     return 0
 
