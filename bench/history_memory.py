@@ -13,7 +13,7 @@ One request (batch 1) with a 64-token prompt and 256 response positions is decod
 step along a fixed random order. After n steps (n in 16, 32, 64, 128, 256) we report
 
 * ``cache.nbytes()`` of the temporal cache (``full`` grows with n, ``latent:M`` should be flat);
-* temporal time per step: the temporal inserts plus the cache commit, timed directly (CPU ops are
+* temporal time per step: the temporal inserts plus the history writes and the cache commit, timed directly (CPU ops are
   synchronous), the minimum over the ``--window`` evaluations ending at step n (the minimum, not
   the median, because other processes on a shared CPU only ever add time);
 * the whole ``forward_step`` and a plain backbone forward on the same input, for scale.
@@ -29,6 +29,7 @@ Answer quality on the demo task is *not* measured here. Results go to
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
@@ -73,16 +74,28 @@ def timed(model: tdlm.TDLM, clock: list[float]) -> None:
     """Accumulate the temporal inserts' time into clock[0] (wraps this instance's layer loop)."""
     run = model._run
 
-    def run_timed(input_ids, attention_mask, insert):
+    def run_timed(input_ids, attention_mask, insert, *rest):
         def insert_timed(layer: int, h: torch.Tensor) -> torch.Tensor:
             t0 = NOW()
             out = insert(layer, h)
             clock[0] += NOW() - t0
             return out
 
-        return run(input_ids, attention_mask, insert_timed)
+        return run(input_ids, attention_mask, insert_timed, *rest)
 
     model._run = run_timed  # type: ignore[method-assign]
+
+
+def timed_call(fn, clock: list[float]):
+    """``fn`` with its time added to clock[0]."""
+
+    def call(*args, **kwargs):
+        t0 = NOW()
+        out = fn(*args, **kwargs)
+        clock[0] += NOW() - t0
+        return out
+
+    return call
 
 
 def measure(bb: LLaDA, history: str, steps: tuple[int, ...], window: int, args) -> list[dict]:
@@ -94,14 +107,8 @@ def measure(bb: LLaDA, history: str, steps: tuple[int, ...], window: int, args) 
     timed(model, clock)
     x, reveal = trajectory(bb, args.prompt_len, args.length, args.seed)
     cache = model.new_cache(1)
-    commit = cache.commit
-
-    def commit_timed(masked: torch.Tensor) -> None:
-        t0 = NOW()
-        commit(masked)
-        clock[0] += NOW() - t0
-
-    cache.commit = commit_timed  # type: ignore[method-assign]
+    for name in ("commit", "append"):  # the history writes (after the forward) and the commit count as temporal
+        setattr(cache, name, timed_call(getattr(cache, name), clock))
     rows, temporal, step_ms, backbone = [], [], [], []
     with torch.no_grad():
         for n in range(1, max(steps) + 1):
@@ -157,6 +164,7 @@ def main() -> None:
     with torch.no_grad():  # warm up the kernels once
         bb(torch.randint(3, 512, (1, args.prompt_len + args.length)))
     t_start = time.perf_counter()
+    load_before = os.getloadavg()
     rows = [r for h in args.histories.split(",") for r in measure(bb, h.strip(), steps, args.window, args)]
     elapsed = time.perf_counter() - t_start
 
@@ -171,6 +179,8 @@ def main() -> None:
         "bench": "history_memory",
         **machine(),
         "processor": platform.processor() or platform.machine(),
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
         "setup": {
             "backbone": "LLaDA d_model=256 n_layers=8 n_heads=8 mlp=688 vocab=512, random init, fp32",
             "temporal": "dispersed:4 (layers 1,3,5,7), 4 heads x 64; perceiver 4 x 64",
