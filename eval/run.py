@@ -48,7 +48,6 @@ status 2.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -59,11 +58,4 @@ from tdlm.evaluation.cli import main  # noqa: E402
 from tdlm.evaluation.config import FLAGS, build_parser, parse_args  # noqa: E402, F401
 
 if __name__ == "__main__":  # spawned scoring workers re-import this file: keep the guard
-    code = main()
-    from tdlm.evaluation.driver import head_lost  # noqa: E402
-
-    if head_lost():  # the one-line error is printed; Ray's teardown would exit from C++ or wait for the dead GCS
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
+    sys.exit(main())  # after a lost Ray head main() leaves with os._exit itself (tdlm.evaluation.cli)

@@ -159,3 +159,19 @@ def test_killed_evaluator_leaves_a_stale_lock_the_next_run_takes_over(tmp_path):
     assert sorted(r["id"] for r in read_records(shard)) == sorted(IDS)  # no sample decoded twice
     assert [r["id"] for r in read_records(run_dir / "samples.jsonl")] == IDS
     assert (out / LOCK).read_text() == ""
+
+
+def test_a_lock_that_cannot_write_its_holder_is_one_line_and_not_held(tmp_path):
+    """A full disk while the lock writes its holder line: one line ("no space left"), and the folder stays free (a
+    job that cannot write must not keep others out)."""
+    import errno
+    from unittest import mock
+
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch("os.pwrite", full), pytest.raises(TDLMError, match="no space left"):
+        FolderLock(tmp_path / "run", "evaluation").acquire()
+    with FolderLock(tmp_path / "run", "evaluation") as lock:
+        assert lock.held

@@ -431,10 +431,6 @@ def test_evaluation_merged_write_on_full_disk_leaves_nothing_to_trust_and_the_re
 
 @needs_data
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tdlm/evaluation/driver.py writes samples.jsonl / summary.json / table.md "
-                   "without turning ENOSPC into a TDLMError or removing its temporary file (a traceback, and a "
-                   "samples.jsonl.tmp-<pid> left on the full disk); fix: the driver diff in the issue-29 full-disk "
-                   "report (_write_json/_write_jsonl/table.md through tdlm.data.store.atomic_write_*)")  # fmt: skip
 def test_evaluation_merged_write_on_full_disk_fails_in_one_line_and_leaves_no_temporary_file(eval_chain):
     err = _one_line_error(eval_chain["second"])
     assert err.startswith(f"error: {eval_chain['out']}") and "no space left" in err, err

@@ -129,7 +129,7 @@ def test_the_launcher_refuses_a_folder_another_run_holds(tmp_path):
                            "--output-dir", str(out), f"data.trajectories={tmp_path / 'traj'}", *TINY],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     lock.release()
-    assert proc.returncode == 2 and f"another training run is using this folder (pid {os.getpid()}" in proc.stderr
+    assert proc.returncode == 2 and f"another training run is writing this folder (pid {os.getpid()}" in proc.stderr
 
 
 class _Engine:

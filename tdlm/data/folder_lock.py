@@ -61,6 +61,10 @@ class FolderLock:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
+            from tdlm.data.trajectories import is_disk_full, write_error
+
+            if is_disk_full(e):
+                raise write_error(self.path, e, "nothing was written") from None
             raise TDLMError(f"{self.folder}: cannot create the lock file {LOCK} ({e.strerror}); "
                             f"choose a writable {self.flag}") from None  # fmt: skip
         try:
@@ -82,9 +86,16 @@ class FolderLock:
             self.stale_holder = previous
             log.warning("%s: stale lock: the %s holding it died (%s); taking it over and resuming from its output",
                         self.folder, self.what, previous)  # fmt: skip
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (holder_line() + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (holder_line() + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError as e:  # a full disk: one line, and the lock is not held by a job that cannot write
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            from tdlm.data.trajectories import write_error
+
+            raise write_error(self.path, e, "nothing was written") from None
         self._fd = fd
         return self
 

@@ -47,7 +47,6 @@ manifest without ``prompts`` /              added (older tdlm); a changed ``cont
 from __future__ import annotations
 
 import datetime as dt
-import fcntl
 import hashlib
 import json
 import logging
@@ -58,6 +57,7 @@ import statistics
 from pathlib import Path
 
 from tdlm.config import diff_settings
+from tdlm.data.folder_lock import FolderLock
 from tdlm.data.prompts import Prompt
 from tdlm.data.trajectories import TrajectoryRecord, fsync_file, read_parquet, write_error, write_parquet
 from tdlm.errors import TDLMError
@@ -130,38 +130,20 @@ class ShardStore:
         self.manifest: dict | None = None
         self.adopted = 0  # unlisted but verified shards taken over by open()
         self._actor_identity: dict | None = None
-        self._lock_fd: int | None = None
+        self._lock: FolderLock | None = None
 
     # -- lock ----------------------------------------------------------------------------------
     def __enter__(self) -> ShardStore:
         if self.root.exists() and not self.root.is_dir():
             raise TDLMError(f"output dir {self.root} exists and is not a folder")
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise write_error(self.root / LOCK, e, "nothing was written") from None
-        try:
-            # flock is released by the kernel when the holder dies, even on SIGKILL: no stale locks.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            os.close(fd)
-            raise TDLMError(f"{self.root}: another generation run is writing this output dir (it holds {LOCK})") from e
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-        except OSError as e:  # a full disk: the pid line needs a block
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            raise write_error(self.root / LOCK, e, "nothing was written") from None
-        self._lock_fd = fd
+        # The same lock as the evaluator's: the holder is named to a second run, a dead holder's is taken over.
+        self._lock = FolderLock(self.root, "generation run").acquire()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._lock_fd is not None:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # -- shards --------------------------------------------------------------------------------
     def shard_range(self, index: int) -> tuple[int, int]:
@@ -186,7 +168,7 @@ class ShardStore:
     # -- opening / resuming --------------------------------------------------------------------
     def open(self) -> list[int]:
         """Check the dir against this job (policy table in the module docstring); shards left to do."""
-        assert self._lock_fd is not None, "use ShardStore as a context manager (it must hold the lock)"
+        assert self._lock is not None, "use ShardStore as a context manager (it must hold the lock)"
         mpath = self.root / MANIFEST
         stale: dict = {}
         if mpath.exists():

@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 
 from tdlm.data.folder_lock import FolderLock
+from tdlm.data.store import atomic_write_text
+from tdlm.data.trajectories import write_error
 from tdlm.errors import TDLMError
 from tdlm.evaluation.config import (
     EvalConfig,
@@ -92,18 +94,17 @@ class EvalResult:
 
 
 # -- small helpers ------------------------------------------------------------------------------------
+# What a failed write of a merged file leaves: the shards hold every decoded sample, so a rerun only rescores.
+KEPT = "every sample is kept in the shard files (the rerun decodes nothing)"
+
+
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", f"{path.name} is unchanged; {KEPT}")
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as fh:
-        for r in records:
-            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+                      f"{path.name} is unchanged; {KEPT}")
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -728,21 +729,24 @@ def _evaluate(cfg: EvalConfig, out: Path, t0: float) -> EvalResult:
         for plan, summary in zip(plans, runs, strict=True):
             if plan.task.name in CODE_TASKS:
                 summary["sandbox"] = {k: sandbox[k] for k in ("level", "backend", "mechanism")}
-    changed = False
-    for plan, samples, summary in zip(plans, scored, runs, strict=True):
-        _write_jsonl(plan.run_dir / SAMPLES, samples)
-        before = (plan.run_dir / SUMMARY).read_text() if (plan.run_dir / SUMMARY).exists() else None
-        log_run(cfg, group, summary, samples)
-        changed |= before != (plan.run_dir / SUMMARY).read_text()
-    table = render(runs)
-    (out / "table.md").write_text(table)
-    plots = plot_all(runs, out)
-    _write_json(out / SUMMARY, {"group": group, "backbone": cfg.backbone, "backbone_id": bb_id,
-                                "output_dir": str(out), "workers": W, "config": cfg.to_dict(), "runs": runs,
-                                "table": "table.md", "plots": [p.name for p in plots],
-                                **({"sandbox": sandbox} if sandbox is not None else {})})  # fmt: skip
-    if changed:
-        log_comparison(cfg, group, runs, table, plots)
+    try:  # a full disk while writing the merged files: one line, nothing half-written left to trust
+        changed = False
+        for plan, samples, summary in zip(plans, scored, runs, strict=True):
+            _write_jsonl(plan.run_dir / SAMPLES, samples)
+            before = (plan.run_dir / SUMMARY).read_text() if (plan.run_dir / SUMMARY).exists() else None
+            log_run(cfg, group, summary, samples)
+            changed |= before != (plan.run_dir / SUMMARY).read_text()
+        table = render(runs)
+        atomic_write_text(out / "table.md", table, f"table.md is unchanged; {KEPT}")
+        plots = plot_all(runs, out)
+        _write_json(out / SUMMARY, {"group": group, "backbone": cfg.backbone, "backbone_id": bb_id,
+                                    "output_dir": str(out), "workers": W, "config": cfg.to_dict(), "runs": runs,
+                                    "table": "table.md", "plots": [p.name for p in plots],
+                                    **({"sandbox": sandbox} if sandbox is not None else {})})  # fmt: skip
+        if changed:
+            log_comparison(cfg, group, runs, table, plots)
+    except OSError as e:
+        raise write_error(Path(e.filename) if e.filename else out / SUMMARY, e, KEPT) from None
     log.info("done in %.1f s: %d decoded, %d resumed; %s", time.monotonic() - t0, computed, skipped, out / "table.md")
     return EvalResult(str(out), runs, table, str(out / SUMMARY), str(out / "table.md"), [str(p) for p in plots],
                       computed, skipped, W)  # fmt: skip

@@ -362,9 +362,10 @@ class Tracker(NullTracker):
             _stop_service()
 
     def finish(self, summary: dict[str, Any]) -> None:
-        tmp = self.dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(_clean(summary), indent=2) + "\n")
-        os.replace(tmp, self.dir / "summary.json")
+        from tdlm.data.store import atomic_write_text  # here: the tracking module itself stays import-light
+
+        # whole or absent, and a full disk is one line that leaves no temporary file behind
+        atomic_write_text(self.dir / "summary.json", json.dumps(_clean(summary), indent=2) + "\n")
         if self.record:
             self._exit({"state": "finished", "step": summary.get("steps"), "exit_code": 0})
         run = self.run

@@ -20,6 +20,7 @@ Policy:
 found                                          action
 =============================================  ===================================================
 another live run holds ``.lock``               TDLMError at once, naming its pid and host
+``.lock`` names a holder that died             warning naming it (stale lock); taken over
 run files, no ``--resume``                     TDLMError naming the folder and both ways out
 ``--resume``, recipe differs from run_config   TDLMError naming every changed field, unless
                                                ``--allow-recipe-change`` (both configs kept)
@@ -37,8 +38,6 @@ catch corruption and files swapped after the run wrote them, not an attacker who
 
 from __future__ import annotations
 
-import datetime as dt
-import fcntl
 import json
 import logging
 import os
@@ -51,6 +50,7 @@ import time
 from pathlib import Path
 
 from tdlm.config import to_dict
+from tdlm.data.folder_lock import FolderLock
 from tdlm.errors import TDLMError
 from tdlm.models.fingerprints import check_listed_files, sha256_file
 from tdlm.training.config import RunConfig
@@ -68,31 +68,14 @@ RECIPE = ("model", "data", "optim", "train.micro_batch_size", "train.grad_accum"
 
 
 # -- the lock --------------------------------------------------------------------------------------
-class RunLock:
-    """``flock`` on ``<run>/.lock`` for the life of this process (released by the kernel if it dies)."""
+class RunLock(FolderLock):
+    """The run folder's :class:`~tdlm.data.folder_lock.FolderLock` (the evaluator's and generation's too), taken on
+    construction and held for the life of the run: a second run is refused naming the holder, a dead holder's lock
+    (released by the kernel, its line still in the file) is reported as stale and taken over."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.path = Path(run_dir) / LOCK
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(self.path, "a+")  # noqa: SIM115 - held open for the whole run
-        try:
-            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.fh.seek(0)
-            holder = self.fh.read().strip() or "unknown"
-            self.fh.close()
-            raise TDLMError(f"{self.path.parent}: another training run is using this folder ({holder}); wait for "
-                            f"it to end or stop it, or choose another --output-dir") from None
-        self.fh.seek(0)
-        self.fh.truncate()
-        since = dt.datetime.now().isoformat(timespec="seconds")
-        self.fh.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}")
-        self.fh.flush()
-
-    def release(self) -> None:
-        if not self.fh.closed:
-            fcntl.flock(self.fh, fcntl.LOCK_UN)
-            self.fh.close()
+        super().__init__(run_dir, "training run")
+        self.acquire()
 
 
 # -- what a launch may do with the folder ----------------------------------------------------------
