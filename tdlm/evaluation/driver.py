@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from tdlm.data.folder_lock import FolderLock
+from tdlm.data.ray_watch import ClusterWatch, HeadLost, head_lost  # noqa: F401 - re-exported
 from tdlm.data.store import atomic_write_text
 from tdlm.data.trajectories import write_error
 from tdlm.errors import TDLMError
@@ -254,65 +255,6 @@ def _connect_ray(address: str | None) -> bool:
 
 def _cause(e: BaseException) -> BaseException:
     return getattr(e, "cause", None) or e
-
-
-class HeadLost(TDLMError):
-    """The Ray head (GCS) stopped answering: the job stops in one line; finished samples stay on disk for a rerun."""
-
-
-_HEAD_LOST = False
-
-
-def head_lost() -> bool:
-    """True once this process lost its Ray head: its entry point should leave with ``os._exit`` after the error line
-    (Ray's teardown then exits from C++ or waits for the dead GCS)."""
-    return _HEAD_LOST
-
-
-class ClusterWatch:
-    """Liveness of the Ray head and of the nodes the workers run on, checked by the driver between results.
-
-    Why the driver checks itself: an actor on a node that died is held by Ray in RESTARTING while no node has room
-    for it (the survivors' CPUs are held by our other workers), and its jobs wait for that restart forever; a driver
-    whose head (GCS) died learns nothing from Ray: its calls block, or the process exits in Ray's C++ code without a
-    word. The head is probed with a TCP connect to the GCS port (no Ray call, so it cannot block); only while it
-    answers are the dead nodes read from the GCS. (The generation driver has the same watch; the two layers are
-    siblings and cannot share it.)
-    """
-
-    def __init__(self, timeout_s: float, interval_s: float = 1.0) -> None:
-        import ray
-
-        self.address = ray.get_runtime_context().gcs_address
-        self.timeout_s, self.interval_s = timeout_s, interval_s
-        self.last_ok = self.last_probe = time.monotonic()
-        self.dead_nodes: set[str] = set()
-        self.lost = False
-
-    def check(self, where: str) -> set[str]:
-        """Raise :class:`HeadLost` once the head has not answered for ``timeout_s``; else the ids of dead nodes."""
-        import socket
-
-        import ray
-
-        now = time.monotonic()
-        if now - self.last_probe < self.interval_s:
-            return self.dead_nodes
-        self.last_probe = now
-        host, _, port = self.address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=min(2.0, self.timeout_s)).close()
-        except OSError:
-            if now - self.last_ok >= self.timeout_s:
-                global _HEAD_LOST
-                self.lost = _HEAD_LOST = True
-                raise HeadLost(f"lost the Ray head at {self.address} (no answer for {now - self.last_ok:.0f} s); "
-                               f"{where}: rerun the same command on a running cluster to resume") from None
-            return self.dead_nodes
-        self.last_ok = now
-        with contextlib.suppress(Exception):  # a GCS that is going away: keep the last answer
-            self.dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
-        return self.dead_nodes
 
 
 class _RayWorker(EvalWorker):

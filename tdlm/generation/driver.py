@@ -45,6 +45,7 @@ import torch
 
 from tdlm.data.contamination import check_teacher_prompts
 from tdlm.data.prompts import load_prompts
+from tdlm.data.ray_watch import ClusterWatch, HeadLost, head_lost  # noqa: F401 - re-exported
 from tdlm.data.store import ShardStore
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
@@ -64,58 +65,6 @@ log = logging.getLogger("tdlm.generation")
 # replica, so a local cluster needs only a small object store (Ray's default takes 30% of RAM).
 LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in the driver of a submitted job
-
-
-class HeadLost(TDLMError):
-    """The Ray head (GCS) stopped answering: the job stops in one line; finished shards stay on disk for a rerun."""
-
-
-class ClusterWatch:
-    """Liveness of the Ray head and of the nodes the replicas run on, checked by the driver between results.
-
-    Why the driver checks itself: a replica on a node that died may be held by Ray in RESTARTING with its shard
-    waiting for a restart that no node has room for (a survivor's CPU is held by our own idle replica), and a driver
-    whose head (GCS) died learns nothing from Ray: its calls block or the process exits in Ray's C++ code without a
-    word. The head is probed with a TCP connect to the GCS port (no Ray call, so it cannot block); only while it
-    answers are the dead nodes read from the GCS (``ray.nodes()``).
-    """
-
-    def __init__(self, timeout_s: float, interval_s: float = 1.0) -> None:
-        import ray
-
-        self.address = ray.get_runtime_context().gcs_address  # "host:port" of the GCS
-        self.timeout_s = timeout_s
-        self.interval_s = interval_s
-        self.last_ok = self.last_probe = time.monotonic()
-        self.dead_nodes: set[str] = set()
-        self.lost = False
-
-    def head_answers(self) -> bool:
-        host, _, port = self.address.rpartition(":")
-        try:
-            with socket.create_connection((host, int(port)), timeout=min(2.0, self.timeout_s)):
-                return True
-        except OSError:
-            return False
-
-    def check(self, where: str) -> set[str]:
-        """Raise :class:`HeadLost` once the head has not answered for ``timeout_s``; else the ids of dead nodes."""
-        now = time.monotonic()
-        if now - self.last_probe < self.interval_s:
-            return self.dead_nodes
-        self.last_probe = now
-        if not self.head_answers():
-            if now - self.last_ok >= self.timeout_s:
-                self.lost = True
-                raise HeadLost(f"lost the Ray head at {self.address} (no answer for {now - self.last_ok:.0f} s); "
-                               f"{where}: rerun the same command on a running cluster to resume")  # fmt: skip
-            return self.dead_nodes
-        self.last_ok = now
-        import ray
-
-        with contextlib.suppress(Exception):  # a GCS that is going away: keep the last answer
-            self.dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
-        return self.dead_nodes
 
 
 class _Replica(ShardWorker):
