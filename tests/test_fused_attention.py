@@ -301,3 +301,30 @@ def test_every_layers_bias_built_at_once_equals_each_layers_own():
     for k, mod in enumerate(mods):
         assert torch.equal(both[k], mod.step_bias(allowed))
         assert torch.equal(both[k][..., 0], torch.full(allowed.shape[:-1], 0.25 * (k + 1)))
+
+
+def test_compiled_step_attention_equals_sdpa_and_the_reference():
+    """Under ``torch.compile`` the step's attention is the written-out softmax (one fused kernel), eager it is
+    SDPA: both equal the float64 Eq. 8-9 within 1e-5 relative, a slot with -inf bias gets no weight, and a position
+    with only the sink gets exactly z = 0."""
+    from tdlm.temporal.attention import step_attention
+
+    g = torch.Generator().manual_seed(4)
+    P, C = 7, 5
+    q, k, v = (torch.randn(P, M, 1 + (0 if i == 0 else C), DH, generator=g, dtype=torch.float64) for i in range(3))
+    k[:, :, 0], v[:, :, 0] = 0, 0  # the sink's zero key and value in slot 0
+    allowed = torch.rand(P, 1, 1, 1 + C, generator=g) > 0.4
+    allowed[..., 0] = True
+    allowed[3, ..., 1:] = False  # only the sink
+    bias = torch.where(allowed, 0.0, float("-inf")).double()
+    bias[..., 0] = 0.7  # b_l
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(DH) + bias
+    expect = scores.softmax(-1) @ v  # float64 Eq. 8-9
+    eager = step_attention(q.float(), k.float(), v.float(), bias.float())
+    compiled = torch.compile(step_attention, backend="inductor", fullgraph=True)(q.float(), k.float(), v.float(),
+                                                                               bias.float())  # fmt: skip
+    for out in (eager, compiled):
+        assert rel(out.double(), expect) <= TOL
+        assert torch.equal(out[3], torch.zeros_like(out[3]))
+    # planted fault: a bias that forgets the -inf mask changes the result beyond the tolerance
+    assert rel(step_attention(q.float(), k.float(), v.float(), bias.float().clamp(min=0.0)).double(), expect) > TOL

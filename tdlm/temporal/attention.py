@@ -115,6 +115,21 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     return z.unflatten(0, lead) if len(lead) > 1 else z
 
 
+def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Eq. 8-9 for one query per position and head over that position's own slots: q (P, M, 1, d_h), keys /
+    values (P, M, 1 + C, d_h) (the sink's zeros in slot 0), ``bias`` (P, 1, 1, 1 + C) -> z (P, M, 1, d_h).
+
+    Eager: one ``scaled_dot_product_attention``. Under ``torch.compile`` the same softmax is written out
+    (q.k, + bias, softmax, weighted sum of values), which inductor fuses into one kernel that reads each key and
+    value once: these are P M tiny problems of one query (P = batch x response positions, 5,600 at the demo's
+    shape), where the fused SDPA kernel pays per problem (16 against 10 ms per layer at the demo's shape, CPU;
+    ``docs/decoding.md``). The two agree to fp32 rounding (``tests/test_fused_attention.py``)."""
+    if not torch.compiler.is_compiling():
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
+    scores = (q * keys).sum(-1, keepdim=True) * (q.shape[-1] ** -0.5) + bias.transpose(-1, -2)  # (P, M, 1 + C, 1)
+    return (scores.softmax(-2) * values).sum(-2, keepdim=True)
+
+
 class _ProjectionView:
     """W^Q_l, W^K_l or W^V_l as rows of the fused projection, read like the ``nn.Linear`` it used to be."""
 
@@ -263,7 +278,7 @@ class TemporalAttention(nn.Module):
         q = x[:, :, 0].reshape(b * N, M, 1, dh)  # one query per position and head
         keys, values = kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)  # views (b N, M, 1 + C, d_h)
         bias = self.step_bias(allowed) if bias is None else bias
-        z = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias.view(b * N, 1, 1, -1))
+        z = step_attention(q, keys, values, bias.view(b * N, 1, 1, -1))
         return z.view(b, N, M * dh), entry
 
     def step_bias(self, allowed: torch.Tensor) -> torch.Tensor:
