@@ -451,10 +451,13 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             if rows_host:
                 keep_t = _index(keep, device)
                 active = active[keep_t]
+                still = still[keep_t]
                 if cache is not None:
                     cache.select(keep_t)
                 if kv_cache is not None:
                     kv_cache.select(keep_t)
+        if cache is not None and rows_host:
+            cache.compact(still, max(left))  # the history of revealed positions is dead: fewer storage columns
     if bar is not None:
         bar.close()
     results = []

@@ -326,6 +326,19 @@ class TemporalAttention(nn.Module):
         part.baddbmm_(zm, w.t().expand(h.shape[0], -1, -1))
         return h
 
+    def correct_at(self, h: torch.Tensor, a: int, b: int, z: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Eq. 10 and Eq. 2 for z (B, W, d_t) of the positions ``pos`` (B, W) of rows a..b of h (B, L, d):
+        h~[:, a + pos] = h + W_O z. z is exactly 0 at a column whose position is not masked (its query saw the
+        sink alone), so such columns, and columns repeating a position, add exact zeros. In place without
+        autograd (one scatter-add into h), out of place with it."""
+        w = self.o_proj.weight
+        delta = F.linear(z.to(w.dtype), w).to(h.dtype)  # (B, W, d)
+        index = pos[..., None].expand_as(delta)
+        if torch.is_grad_enabled():
+            return h.slice_scatter(h[:, a:b].scatter_add(1, index, delta), 1, a, b)
+        h[:, a:b].scatter_add_(1, index, delta)
+        return h
+
     def project(self, h: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h (..., d), r broadcastable to h.shape[:-1] -> q, k, v (..., M, d_h), q/k rotated (Eq. 7)."""
         tables = tuple(t[..., None, :] for t in self.rope(r.expand(h.shape[:-1])))  # (..., 3, 1, d_h)

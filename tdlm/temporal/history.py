@@ -93,6 +93,13 @@ def _grid(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 MIN_SLOTS = 8  # the smallest history storage; capacities double from here (bucket sizes)
+COLUMN_STEP = 8  # storage columns (positions held) shrink in multiples of this
+
+
+def column_bucket(masked: int, length: int) -> int:
+    """Storage columns for a batch whose row with the most masked response positions has ``masked`` of them:
+    ``masked`` rounded up to a multiple of 8 (at least 8), at most ``length`` (:meth:`TemporalCache.compact`)."""
+    return min(length, max(COLUMN_STEP, -(-masked // COLUMN_STEP) * COLUMN_STEP))
 
 
 def slot_bucket(entries: int, most: int | None = None) -> int:
@@ -135,10 +142,19 @@ class TemporalCache:
     no ring has wrapped (count <= evaluations < C), so a slot keeps its meaning when the storage grows.
 
     Validity is a mask shared by the temporal layers (an evaluation writes the same positions at every layer):
-    ``valid`` (B, N, 1 + C) bool, column 0 the sink (always True), True where a slot holds a usable entry
+    ``valid`` (B, W, 1 + C) bool, column 0 the sink (always True), True where a slot holds a usable entry
     (A_{p,i,j} of Section 2.3). Between bucket changes the shapes of one request batch never change and a
     compiled step neither recompiles nor syncs. Revealing a position invalidates all of its entries; changing
     blocks resets nothing. Unwritten slots hold zeros (a masked-out zero entry contributes exactly 0).
+
+    Storage columns: the storage holds W <= N *columns*, ``cols`` (B, W) the response position each holds (N: none).
+    At allocation W = N and column w holds position w. Eq. 2 multiplies the correction by m_{i,p}, and a revealed
+    position is never masked again, so its history is never read or written again: :meth:`compact`, called by the
+    decoding loop between evaluations, drops such columns once the row with the most masked positions fits in
+    fewer (:func:`column_bucket`), and every per-position cost of a temporal layer (projections, attention, entry
+    writes) then scales with the masked positions instead of N. Results are unchanged: the attention of a
+    position reads only its own column. ``count``, ``valid`` and the storage are indexed by column; the
+    readers :meth:`entry_validity` and :meth:`valid_entries` answer by position.
     """
 
     batch_size: int
@@ -148,8 +164,9 @@ class TemporalCache:
     steps: int = 0  # evaluations seen (host counter; never read inside a compiled step)
     capacity: int = 0  # C: slots per position and layer (0 before allocation)
     max_capacity: int | None = None  # the most C may grow to (None: unbounded ``full``)
-    count: torch.Tensor | None = None  # (B, N) int64: entries ever written per position
-    valid: torch.Tensor | None = None  # (B, N, 1 + C) bool, column 0 the sink
+    count: torch.Tensor | None = None  # (B, W) int64: entries ever written per column's position
+    valid: torch.Tensor | None = None  # (B, W, 1 + C) bool, slot 0 the sink
+    cols: torch.Tensor | None = None  # (B, W) int64: the response position each storage column holds (N: none)
     layers: dict[int, LayerHistory] = field(default_factory=dict)
 
     def check(self, batch_size: int, prompt_len: int, length: int) -> None:
@@ -184,6 +201,7 @@ class TemporalCache:
         B, C = self.batch_size, slot_bucket(1, self._most())
         self.capacity, self.length = C, length
         self.count = torch.zeros((B, length), dtype=torch.long, device=device)
+        self.cols = torch.arange(length, device=device).expand(B, length).contiguous()
         self.valid = torch.zeros((B, length, 1 + C), dtype=torch.bool, device=device)
         self.valid[:, :, 0] = True
         for layer in layers:
@@ -196,7 +214,10 @@ class TemporalCache:
         them instead of one per bucket, or a second when dynamo would notice the change itself."""
         for lh in self.layers.values():
             torch._dynamo.maybe_mark_dynamic(lh.kv, 4)
+            torch._dynamo.maybe_mark_dynamic(lh.kv, 1)  # the columns (compact)
         torch._dynamo.maybe_mark_dynamic(self.valid, 2)
+        for t in (self.valid, self.count, self.cols):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
 
     def reserve(self, evaluations: int) -> None:
         """Host side, before an evaluation: grow the storage to the bucket that holds ``evaluations`` entries
@@ -213,9 +234,55 @@ class TemporalCache:
         self.capacity = want
         self._slots_dynamic()
 
+    @property
+    def width(self) -> int:
+        """W: storage columns per row (N until :meth:`compact`)."""
+        return 0 if self.cols is None else self.cols.shape[1]
+
+    def compact(self, still: torch.Tensor, most: int) -> bool:
+        """Host side, between evaluations: keep the storage columns of the positions masked in ``still`` (B, N)
+        bool (the next input's m_{i,p}), in position order, in :func:`column_bucket` of ``most`` columns (the
+        most masked positions of a row, known on the host: no device read here); the other columns of a row
+        are empty (position N, no valid entry). Nothing is done unless that is fewer columns than now. A dropped
+        position was revealed: it is never masked again, so Eq. 2 never corrects it and its entries are never
+        read (A_{p,i,j} = 0) or written again. Returns whether it compacted. One gather of the storage, at most
+        N / 8 times per decode."""
+        if not self.layers or self.cols is None:
+            return False
+        N, W = self.length, self.width
+        width = column_bucket(most, N)
+        if width >= W:
+            return False
+        keep = still.gather(1, self.cols.clamp(max=N - 1)) & (self.cols < N)  # (B, W)
+        idx = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # kept columns first
+        rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
+        kept = keep.gather(1, idx)  # (B, width)
+        self.cols = torch.where(kept, self.cols.gather(1, idx), N)
+        self.count = self.count.gather(1, idx)
+        self.valid = self.valid[rows, idx] & (kept[:, :, None] | self.sink_column())
+        for lh in self.layers.values():
+            lh.kv = lh.kv[rows, idx]
+        self._slots_dynamic()
+        return True
+
+    def held(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The storage column of each response position in ``positions`` (b, P) of batch ``rows`` (None: all),
+        W where the position has no column (it was revealed and dropped)."""
+        cols = self.cols if rows is None else self.cols[rows]
+        W, N = cols.shape[1], self.length
+        where = torch.full((cols.shape[0], N + 1), W, dtype=torch.long, device=cols.device)
+        where.scatter_(1, cols, torch.arange(W, device=cols.device).expand_as(cols))
+        return where.gather(1, positions)
+
+    def by_position(self, t: torch.Tensor) -> torch.Tensor:
+        """t (B, W, ...) by column -> (B, N, ...) by position, zeros where no column holds the position."""
+        out = t.new_zeros((t.shape[0], self.length + 1, *t.shape[2:]))
+        out[torch.arange(t.shape[0], device=t.device)[:, None], self.cols] = t
+        return out[:, : self.length]
+
     def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """History of ``layer`` in the attention's layout: kv (B, N, 2, M, 1 + C, d_h) and the shared validity
-        (B, N, 1 + C), sink slot first; None before allocation."""
+        """History of ``layer`` in the attention's layout: kv (B, W, 2, M, 1 + C, d_h) and the shared validity
+        (B, W, 1 + C), sink slot first, by storage column (``cols``); None before allocation."""
         lh = self.layers.get(layer)
         if lh is None or lh.kv is None:
             return None
@@ -275,7 +342,7 @@ class TemporalCache:
         for lh in self.layers.values():
             if lh.kv is not None:
                 lh.kv = lh.kv.index_select(0, index.to(lh.kv.device))
-        for name in ("count", "valid"):
+        for name in ("count", "valid", "cols"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, index.to(t.device)))
@@ -285,14 +352,15 @@ class TemporalCache:
 
     def entry_validity(self) -> torch.Tensor | None:
         """(B, C, N) bool: which slot of each position holds a usable entry (the sink left out)."""
-        return None if self.valid is None else self.valid[:, :, 1:].transpose(1, 2)
+        return None if self.valid is None else self.by_position(self.valid[:, :, 1:]).transpose(1, 2)
 
     def valid_entries(self) -> torch.Tensor | None:
         """(B, N) number of usable history entries per position."""
-        return None if self.valid is None else self.valid[:, :, 1:].sum(-1)
+        return None if self.valid is None else self.by_position(self.valid[:, :, 1:].sum(-1))
 
     def nbytes(self) -> int:
-        total = sum(t.numel() * t.element_size() for t in (self.count, self.valid) if t is not None)
+        tensors = (self.count, self.valid, self.cols)
+        total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
         for lh in self.layers.values():
             if lh.kv is not None:
                 total += lh.kv.numel() * lh.kv.element_size()
@@ -357,6 +425,10 @@ class LatentCache(TemporalCache):
         if self.alive is not None:
             self.alive = self.alive.index_select(0, index.to(self.alive.device))
         self.batch_size = int(index.numel())
+
+    def compact(self, still: torch.Tensor, most: int) -> bool:
+        """Latents are kept for every position (the Perceiver folds each one forward): nothing to compact."""
+        return False
 
     def valid_entries(self) -> torch.Tensor | None:
         """(B, N) evaluations folded into each live position's latents (0 where dead)."""

@@ -153,8 +153,9 @@ def _history_rows(t: torch.Tensor, rows: torch.Tensor | None, j: torch.Tensor | 
 
 
 def _merge_entries(parts: list, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This evaluation's entry of one layer, (B, N, 2, M, dh) keys/values and (B, N) validity, from the groups'
-    parts (rows, slots, kv, valid); positions a window did not compute stay invalid (zero keys/values)."""
+    """This evaluation's entry of one layer, (B, N, 2, M, dh) keys/values and (B, N) validity by storage column
+    (N = the cache's width), from the groups' parts (rows, slots, kv, valid); columns a window did not compute
+    stay invalid (zero keys/values)."""
     if len(parts) == 1 and parts[0][0] is None and parts[0][1] is None:
         return parts[0][2], parts[0][3]
     k0 = parts[0][2]
@@ -259,7 +260,8 @@ class TDLM(nn.Module):
         """``cache.nbytes()`` after ``steps`` evaluations of ``length`` response positions.
 
         Entry-based policies store, per layer, the sink's zero slot and C entry slots of key + value (2 d_t
-        each), plus per position one validity flag per slot (shared by the layers) and an int64 write count;
+        each), plus per position one validity flag per slot (shared by the layers), an int64 write count and the
+        int64 position of its storage column;
         C = max(8, 2^ceil(log2 steps)) for ``full`` (storage doubles), the same capped at k for ``last:k``;
         ``current`` stores nothing. ``latent:M`` stores M d per position and layer, whatever ``steps`` is.
         (A cache made with ``new_cache(B, length)`` caps ``full``'s C at ``length``.)
@@ -273,7 +275,7 @@ class TDLM(nn.Module):
         d_t = self.config.heads * self.config.head_dim
         cap = max(8, 1 << (steps - 1).bit_length())
         cap = min(cap, self.policy.k) if self.policy.kind == "last" else cap
-        return L_t * B * N * 2 * (1 + cap) * d_t * es + B * N * (1 + cap) + B * N * 8
+        return L_t * B * N * 2 * (1 + cap) * d_t * es + B * N * (1 + cap) + 2 * B * N * 8
 
     # -- shared pieces -------------------------------------------------------------------------
     def _masked(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -451,36 +453,53 @@ class TDLM(nn.Module):
         L = groups[0].input_ids.shape[1]
         B, N = sum(g.input_ids.shape[0] for g in groups), L - prompt_len
         masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
+        if cache.cols is not None:  # by storage column: the position each holds (none: not masked)
+            masked = masked.gather(1, cache.cols.clamp(max=N - 1)) & (cache.cols < N)
         pending: dict[int, list] = {}
         logits = [self._entry_group(g, prompt_len, cache, pending) for g in groups]
         written, slot = None, None
         for layer, parts in pending.items():
-            kv, written = _merge_entries(parts, B, N)
-            slot = cache.slots(written) if slot is None else slot  # the same positions at every layer
+            kv, written = _merge_entries(parts, B, cache.width)
+            slot = cache.slots(written) if slot is None else slot  # the same columns at every layer
             cache.append(layer, kv, written, slot)
         cache.commit(masked, written, slot)
         return logits
 
-    def _slots(self, kv: KVStep | None, prompt_len: int, L: int):
-        """For a window step: (j, inside, dump) (b, W) - the response position j each window row stands for,
-        whether it is one, and j with N for the others (a scatter target dropped afterwards). None otherwise."""
+    def _slots(self, kv: KVStep | None, prompt_len: int, L: int, cache: TemporalCache | None = None,
+               rows: torch.Tensor | None = None):  # fmt: skip
+        """For a window step: (j, inside, dump, col) (b, W_win) - the response position j each window row stands
+        for, whether it is one and has a storage column, the scatter target (its column; the cache's width W
+        for the others, dropped afterwards) and its column clamped to a valid index. None otherwise."""
         if kv is None or kv.refresh:
             return None
         N = L - prompt_len
         j = kv.positions() + self.offset - prompt_len
         inside = (j >= 0) & (j < N)
-        return j.clamp(0, N - 1), inside, torch.where(inside, j, N)
+        j = j.clamp(0, N - 1)
+        if cache is None or cache.cols is None:
+            return j, inside, torch.where(inside, j, N), j
+        col = cache.held(j, rows)
+        inside = inside & (col < cache.width)
+        return j, inside, torch.where(inside, col, cache.width), col.clamp(max=cache.width - 1)
 
     def _entry_group(self, g: StepGroup, prompt_len: int, cache: TemporalCache, pending: dict) -> torch.Tensor:
         """One group's forward under an entry-based history; its entries go to ``pending`` (appended later)."""
         masked = self._masked(g.input_ids, prompt_len)  # (b, N)
+        N = masked.shape[1]
         r = (~masked).sum(-1)  # (b,)
-        slots = self._slots(g.kv, prompt_len, g.input_ids.shape[1])
-        m = masked if slots is None else slots[1] & masked.gather(1, slots[0])  # masked and computed
+        slots = self._slots(g.kv, prompt_len, g.input_ids.shape[1], cache, g.rows)
+        # Full forwards compute every storage column's position: pos (b, W) (None: the cache has no columns,
+        # history `current`: all N positions in order). A window step computes its own rows (slots).
+        cols = None if cache.cols is None or slots is not None else _history_rows(cache.cols, g.rows, None)
+        pos = None if cols is None else cols.clamp(max=N - 1)
+        if slots is not None:
+            m = slots[1] & masked.gather(1, slots[0])  # masked and computed
+        else:
+            m = masked if cols is None else masked.gather(1, pos) & (cols < N)
         mcol = m.unsqueeze(-1)
-        j = None if slots is None else slots[0]
-        allowed = None  # (b, N or W, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
-        biases = None  # (L_t, b, N or W, 1 + C): every temporal layer's additive mask, built once per evaluation
+        j = None if slots is None else slots[3]  # the window rows' storage columns
+        allowed = None  # (b, W or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
+        biases = None  # (L_t, b, W or W_win, 1 + C): every temporal layer's additive mask, built once per evaluation
         if self.policy.kind != "current" and cache.valid is not None:
             allowed = _history_rows(cache.valid, g.rows, j) & (mcol | cache.sink_column())
             biases = TemporalAttention.step_biases([self.temporal[str(i)] for i in self.layer_ids], allowed)
@@ -494,8 +513,10 @@ class TDLM(nn.Module):
             if slots is None:
                 a, b = self._slice(h, prompt_len)
                 hr = h[:, a:b]  # (b, N, d)
+                if pos is not None:  # the positions of the storage columns, (b, W, d)
+                    hr = hr.gather(1, pos[..., None].expand(-1, -1, hr.shape[-1]))
             else:
-                a, b, hr = 0, h.shape[1], h  # (b, W, d): the window
+                a, b, hr = 0, h.shape[1], h  # (b, W_win, d): the window
             if "rope" not in tables:  # R(r) tables: one per evaluation, shared by the temporal layers
                 tables["rope"] = mod.step_rope(r)
             if self.policy.kind == "current":
@@ -509,6 +530,8 @@ class TDLM(nn.Module):
                 pending.setdefault(layer, []).append((g.rows, slots, kv, m))
                 if z is None:
                     return h
+            if pos is not None:  # Eq. 10 + Eq. 2 added at the columns' positions (z = 0 where m = 0)
+                return mod.correct_at(h, a, b, z, pos)
             return mod.correct(h, a, b, z, None, hr)  # Eq. 10 + Eq. 2 (z = 0 where m = 0), in place without autograd
 
         return self._run(g.input_ids, g.attention_mask, insert, g.select, g.kv)
