@@ -392,3 +392,34 @@ def test_last_k_keeps_k_usable_entries_per_position_with_and_without_the_dual_ca
                 checked += 1
             prev_block = block
         assert checked >= 2, (mode, checked)
+
+
+# -- 6. storage columns: revealed positions leave the history (issue 26) ----------------------------------------
+@pytest.mark.parametrize("mode", ["none", "prefix", "dual"])
+def test_dropping_revealed_positions_from_the_history_changes_no_token(mode, monkeypatch):
+    """Between evaluations the loop drops the storage columns of revealed positions (TemporalCache.compact): a
+    revealed position is never masked again, so Eq. 2 never corrects it and its entries are never read. The
+    decode with compaction equals the decode without it, token for token and NFE for NFE, with every spatial
+    cache (the window steps find their positions' columns), and the storage did shrink."""
+    from tdlm.temporal.history import TemporalCache
+
+    model = live_tdlm(sharp_backbone("tiny-llada"), history="full")
+    kw = {"policy": "tdlm", "threshold": 0.9, "cache": mode, "gen_length": 32, "block_size": 8}
+    widths: list[int] = []
+    compact = TemporalCache.compact
+
+    def recording(self, still, most):
+        done = compact(self, still, most)
+        if done:
+            widths.append(self.width)
+        return done
+
+    monkeypatch.setattr(TemporalCache, "compact", recording)
+    with torch.no_grad():
+        on = decode(model, PROMPTS, **kw)
+    monkeypatch.setattr(TemporalCache, "compact", lambda self, still, most: False)
+    with torch.no_grad():
+        off = decode(model, PROMPTS, **kw)
+    assert widths and widths == sorted(widths, reverse=True) and widths[-1] < 32, widths
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+    assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
