@@ -304,8 +304,8 @@ def test_every_layers_bias_built_at_once_equals_each_layers_own():
 
 
 def test_compiled_step_attention_equals_sdpa_and_the_reference():
-    """Under ``torch.compile`` the step's attention is the written-out softmax (one fused kernel), eager it is
-    SDPA: both equal the float64 Eq. 8-9 within 1e-5 relative, a slot with -inf bias gets no weight, and a position
+    """The step's attention written out (inductor's form: one fused kernel) and SDPA (eager's) both equal the
+    float64 Eq. 8-9 within 1e-5 relative, eager and compiled; a slot with -inf bias gets no weight, and a position
     with only the sink gets exactly z = 0."""
     from tdlm.temporal.attention import step_attention
 
@@ -321,9 +321,10 @@ def test_compiled_step_attention_equals_sdpa_and_the_reference():
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(DH) + bias
     expect = scores.softmax(-1) @ v  # float64 Eq. 8-9
     eager = step_attention(q.float(), k.float(), v.float(), bias.float())
+    written = step_attention(q.float(), k.float(), v.float(), bias.float(), written_out=True)
     compiled = torch.compile(step_attention, backend="inductor", fullgraph=True)(q.float(), k.float(), v.float(),
-                                                                               bias.float())  # fmt: skip
-    for out in (eager, compiled):
+                                                                               bias.float(), True)  # fmt: skip
+    for out in (eager, written, compiled):
         assert rel(out.double(), expect) <= TOL
         assert torch.equal(out[3], torch.zeros_like(out[3]))
     # planted fault: a bias that forgets the -inf mask changes the result beyond the tolerance

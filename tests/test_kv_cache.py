@@ -423,3 +423,43 @@ def test_dropping_revealed_positions_from_the_history_changes_no_token(mode, mon
     assert widths and widths == sorted(widths, reverse=True) and widths[-1] < 32, widths
     assert [r.tokens for r in on] == [r.tokens for r in off]
     assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_window_steps_over_the_history_front_equal_the_gathered_columns(name, mode, monkeypatch):
+    """A window step attends over a narrow view of the history's first columns (TemporalCache.set_front, from the
+    loop's blocks: window_front) instead of gathering its positions' columns. Every evaluation's logits equal those
+    of the decode that gathers (fp32, 1e-5), and so do tokens, NFE and reveal steps, with rows in different blocks
+    and rows that changed block since the last compaction; Dream's window reaches one position past its block."""
+    from tdlm.temporal.history import TemporalCache
+
+    model = live_tdlm(sharp_backbone(name), history="full")
+    kw = {"policy": "tdlm", "threshold": 0.9, "cache": mode, "gen_length": 32, "block_size": 8}
+    forward_groups = tdlm.TDLM.forward_groups
+    runs: dict[str, list] = {"front": [], "gather": []}
+    fronts: list[int] = []
+
+    def recording(key):
+        def run(self, prompt_len, cache, groups, evaluate=None):
+            if cache.front is not None and any(g.kv is not None and not g.kv.refresh for g in groups):
+                fronts.append(cache.front.shape[1])
+            outs = forward_groups(self, prompt_len, cache, groups, evaluate)
+            runs[key].append([o.clone() for o in outs])
+            return outs
+        return run
+
+    monkeypatch.setattr(tdlm.TDLM, "forward_groups", recording("front"))
+    with torch.no_grad():
+        on = decode(model, PROMPTS, **kw)
+    monkeypatch.setattr(TemporalCache, "set_front", lambda self, columns: setattr(self, "front", None))
+    monkeypatch.setattr(tdlm.TDLM, "forward_groups", recording("gather"))
+    with torch.no_grad():
+        off = decode(model, PROMPTS, **kw)
+    assert len(fronts) >= 3 and (mode == "prefix" or min(fronts) < 32), fronts
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+    assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
+    assert len(runs["front"]) == len(runs["gather"])
+    for a, b in zip(runs["front"], runs["gather"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

@@ -46,6 +46,7 @@ import torch
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
 from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
+from tdlm.temporal.history import column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
 
 POLICIES = ("original", "threshold", "tdlm", "entropy")
@@ -255,18 +256,43 @@ def _backbone_eval(backbone: Backbone, x, attention_mask, positions, kv):
     return backbone(x, attention_mask=attention_mask, select=positions, kv=kv)
 
 
+def _evaluate_written_out(model: TDLM, prompt_len: int, cache, groups: list) -> list[torch.Tensor]:
+    """:meth:`TDLM.evaluate_groups` with the temporal attention written out, which inductor fuses into one kernel
+    (:func:`tdlm.temporal.attention.step_attention`)."""
+    return TDLM.evaluate_groups(model, prompt_len, cache, groups, written_out=True)
+
+
 def compiled_steps(backend: str, mode: str | None):
     """(backbone step, TDLM step) compiled with fullgraph=True, one pair per (backend, mode) per process.
 
     The backbone step is ``backbone(x, attention_mask, select=positions, kv)``; the TDLM step is
-    :meth:`tdlm.TDLM.evaluate_groups`. Dynamo caches graphs per step kind under guards on the structure of
-    the arguments (refresh / window, rows split or not, padded or not) and on shapes; nothing in the
-    arguments changes from one evaluation of a kind to the next."""
+    :meth:`tdlm.TDLM.evaluate_groups`, with inductor in its written-out attention form. Dynamo caches graphs per
+    step kind under guards on the structure of the arguments (refresh / window, rows split or not, padded or
+    not) and on shapes; nothing in the arguments changes from one evaluation of a kind to the next."""
     key = (backend, mode)
     if key not in _COMPILED:
         kw = {"fullgraph": True, "backend": backend, **({"mode": mode} if mode else {})}
-        _COMPILED[key] = (torch.compile(_backbone_eval, **kw), torch.compile(TDLM.evaluate_groups, **kw))
+        step = _evaluate_written_out if backend == "inductor" else TDLM.evaluate_groups
+        _COMPILED[key] = (torch.compile(_backbone_eval, **kw), torch.compile(step, **kw))
     return _COMPILED[key]
+
+
+def window_front(blocks: Sequence[int], compacted_blocks: Sequence[int], compacted_masked: Sequence[int],
+                 block_size: int, extra: int) -> int:
+    """Host side: how many of the temporal history's first storage columns hold every masked position that the
+    rows' next dual window steps compute (:meth:`tdlm.temporal.history.TemporalCache.set_front`), from what the
+    host knows: each row's active block now (``blocks``), at its cache's last compaction (``compacted_blocks``)
+    and the masked positions that block had then (``compacted_masked``).
+
+    A row reveals only in its active block, so its masked positions are the active block's and every position
+    after it, and the columns (in position order) a compaction keeps are exactly those. So a row still in the
+    block it was in at the compaction has that block's masked positions in columns 0 .. n0 - 1; a row k0 < k
+    blocks on holds n0 + (k - k0 - 1) x block_size columns of revealed positions before its block and the block
+    after them. ``extra``: window positions past the block's end (Dream's window under prediction alignment, 1)."""
+    most = 0
+    for k, k0, n0 in zip(blocks, compacted_blocks, compacted_masked, strict=True):
+        most = max(most, n0 if k == k0 else n0 + (k - k0) * block_size)
+    return column_bucket(most + extra, 1 << 62)
 
 
 def _graphs_compiled() -> int:
@@ -370,6 +396,13 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     kv_host = [-1] * B  # the block each active row's spatial KV cache holds
     left = [G] * B  # masked response positions of each active row (progress)
     cache = model.new_cache(B, length=G) if cfg.policy == "tdlm" else None
+    # per active row, for the history's front under the dual cache (window_front): its block at the last
+    # compaction and that block's masked positions then (before any, storage column p holds position p)
+    comp_blk, comp_in = [0] * B, [min(bs, G)] * B
+    extra = getattr(model, "offset", 0)
+    # A dual window step over a front of more columns than this gathers its positions' columns instead (rows far
+    # past the last compaction); a bound of twice the window's own width, not tuned.
+    front_most = 2 * column_bucket(bs + backbone.logit_shift, 1 << 62)
     kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
     pos_block = torch.arange(G, device=device) // bs  # (G,)
     block_pos = torch.arange(bs, device=device)
@@ -400,6 +433,11 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         groups = _groups(kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
                          backbone.logit_shift)  # fmt: skip
         if cache is not None:
+            if cfg.cache == "dual":
+                front = window_front(blk_host, comp_blk, comp_in, bs, extra)
+                cache.set_front(front if front <= front_most else None)
+            elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
+                cache.set_front(cache.width)
             outs = model.forward_groups(P, cache, [
                 StepGroup(_rows(x, r), _rows(a_mask, r), _rows(positions, r), step, r) for r, step in groups
             ], evaluate=evaluate)  # fmt: skip
@@ -448,6 +486,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             keep = [i for i, d in enumerate(done_l) if not d]
             rows_host = [rows_host[i] for i in keep]
             blk_host, kv_host, left = [blk_host[i] for i in keep], [kv_host[i] for i in keep], [left[i] for i in keep]
+            comp_blk, comp_in = [comp_blk[i] for i in keep], [comp_in[i] for i in keep]
             if rows_host:
                 keep_t = _index(keep, device)
                 active = active[keep_t]
@@ -456,8 +495,10 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
                     cache.select(keep_t)
                 if kv_cache is not None:
                     kv_cache.select(keep_t)
-        if cache is not None and rows_host:
-            cache.compact(still, max(left))  # the history of revealed positions is dead: fewer storage columns
+        if cache is not None and rows_host and cache.compact(still, max(left)):
+            # the history of revealed positions is dead: fewer storage columns, each row's from its active block on
+            comp_blk = list(blk_host)
+            comp_in = [n - (G - (k + 1) * bs) for n, k in zip(left, blk_host, strict=True)]
     if bar is not None:
         bar.close()
     results = []

@@ -115,16 +115,19 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     return z.unflatten(0, lead) if len(lead) > 1 else z
 
 
-def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                   written_out: bool = False) -> torch.Tensor:  # fmt: skip
     """Eq. 8-9 for one query per position and head over that position's own slots: q (P, M, 1, d_h), keys /
     values (P, M, 1 + C, d_h) (the sink's zeros in slot 0), ``bias`` (P, 1, 1, 1 + C) -> z (P, M, 1, d_h).
 
-    Eager: one ``scaled_dot_product_attention``. Under ``torch.compile`` the same softmax is written out
-    (q.k, + bias, softmax, weighted sum of values), which inductor fuses into one kernel that reads each key and
-    value once: these are P M tiny problems of one query (P = batch x response positions, 5,600 at the demo's
-    shape), where the fused SDPA kernel pays per problem (16 against 10 ms per layer at the demo's shape, CPU;
-    ``docs/decoding.md``). The two agree to fp32 rounding (``tests/test_fused_attention.py``)."""
-    if not torch.compiler.is_compiling():
+    One ``scaled_dot_product_attention``, or with ``written_out`` the same softmax written out (q.k, + bias,
+    softmax, weighted sum of values), which inductor fuses into one kernel that reads each key and value once:
+    these are P M tiny problems of one query (P = batch x response positions, 5,600 at the demo's shape), where
+    the fused SDPA kernel pays per problem (16 against 10 ms per layer at the demo's shape, CPU;
+    ``docs/decoding.md``). The decoding loop's inductor step uses it (:func:`tdlm.decoding.loop.compiled_steps`);
+    eager and the debugging backends keep SDPA, so they decode eager's tokens bit for bit. The two agree to fp32
+    rounding (``tests/test_fused_attention.py``), which can still flip a confidence that sits on the threshold."""
+    if not written_out:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
     scores = (q * keys).sum(-1, keepdim=True) * (q.shape[-1] ** -0.5) + bias.transpose(-1, -2)  # (P, M, 1 + C, 1)
     return (scores.softmax(-2) * values).sum(-2, keepdim=True)
@@ -247,6 +250,7 @@ class TemporalAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         masked: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        written_out: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Step-wise mode: one evaluation's Eq. 7-9 over a temporal cache, and its own entry.
 
@@ -260,7 +264,8 @@ class TemporalAttention(nn.Module):
         Eq. 2's mask needs no multiply after the attention (:meth:`correct` with ``masked=None``); the model
         folds m into ``allowed`` once per evaluation instead. ``bias``: this layer's additive mask (b, N, 1 + C),
         :meth:`step_bias` of ``allowed`` (with ``masked`` folded in), if the caller built it already (the model
-        builds every temporal layer's at once per evaluation, :func:`step_biases`).
+        builds every temporal layer's at once per evaluation, :func:`step_biases`). ``written_out``: the
+        attention's form for inductor (:func:`step_attention`).
         Returns (z (b, N, d_t) or None, kv (b, N, 2, M, d_h): this evaluation's rotated key and value).
         """
         x = rope_rotate(self.project_qkv(h), rope if rope is not None else self.step_rope(r))  # (b, N, 3, M, d_h)
@@ -278,7 +283,7 @@ class TemporalAttention(nn.Module):
         q = x[:, :, 0].reshape(b * N, M, 1, dh)  # one query per position and head
         keys, values = kv[:, :, 0].flatten(0, 1), kv[:, :, 1].flatten(0, 1)  # views (b N, M, 1 + C, d_h)
         bias = self.step_bias(allowed) if bias is None else bias
-        z = step_attention(q, keys, values, bias.view(b * N, 1, 1, -1))
+        z = step_attention(q, keys, values, bias.view(b * N, 1, 1, -1), written_out)
         return z.view(b, N, M * dh), entry
 
     def step_bias(self, allowed: torch.Tensor) -> torch.Tensor:

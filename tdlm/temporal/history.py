@@ -168,6 +168,9 @@ class TemporalCache:
     valid: torch.Tensor | None = None  # (B, W, 1 + C) bool, slot 0 the sink
     cols: torch.Tensor | None = None  # (B, W) int64: the response position each storage column holds (N: none)
     layers: dict[int, LayerHistory] = field(default_factory=dict)
+    # (B, w) view cols[:, :w]: the columns that hold every masked position the next window step computes, set by
+    # the decoding loop (:meth:`set_front`); None: a window step looks its positions' columns up instead
+    front: torch.Tensor | None = None
 
     def check(self, batch_size: int, prompt_len: int, length: int) -> None:
         if batch_size != self.batch_size:
@@ -265,6 +268,20 @@ class TemporalCache:
         self._slots_dynamic()
         return True
 
+    def set_front(self, columns: int | None) -> None:
+        """Host side, before an evaluation: promise that the first ``columns`` storage columns of every row hold
+        each masked position its next window step computes (None: no promise). The decoding loop knows this
+        from its blocks (:func:`tdlm.decoding.loop.window_front`): columns are in position order and a row's
+        masked positions are its active block's and everything after it, so the block's columns come first once
+        the revealed positions before it have been compacted away. A window step then attends over a narrow
+        view of the storage, ``kv[:, :columns]``, instead of gathering its positions' columns: no copy of the
+        history per layer, and the temporal work scales with those columns, not the window's positions."""
+        if columns is None or self.cols is None or not self.layers:
+            self.front = None
+            return
+        self.front = self.cols[:, : max(1, min(columns, self.width))]
+        torch._dynamo.maybe_mark_dynamic(self.front, 1)
+
     def held(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The storage column of each response position in ``positions`` (b, P) of batch ``rows`` (None: all),
         W where the position has no column (it was revealed and dropped)."""
@@ -291,7 +308,8 @@ class TemporalCache:
     def slots(self, written: torch.Tensor) -> torch.Tensor:
         """(B, N) slot of this evaluation's entry per position: its ring's next slot (1 + count % C) where
         ``written``, else the sink's slot 0, which receives zeros and so stays the zero key / value."""
-        return torch.where(written, self.count % (self.valid.shape[2] - 1) + 1, 0)
+        count = self.count[:, : written.shape[1]]  # the first columns only after a window step over a front
+        return torch.where(written, count % (self.valid.shape[2] - 1) + 1, 0)
 
     def append(self, layer: int, kv: torch.Tensor, written: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """Store this evaluation's entry for ``layer``: kv (B, N, 2, M, d_h) (keys, values) where ``written``
@@ -302,15 +320,15 @@ class TemporalCache:
             return
         lh = self.layers[layer]
         slot = self.slots(written) if slot is None else slot
-        value = torch.where(written[:, :, None, None, None], kv, 0)  # (B, N, 2, M, d_h)
+        value = torch.where(written[:, :, None, None, None], kv, 0)  # (B, n, 2, M, d_h), n <= W columns from 0
         if torch.compiler.is_compiling():
             # inductor lowers an in-place scatter_ on a graph input to a copy of the whole storage (44 ms per layer
             # at the demo's shape) and an index_put_ to a store of the written slots (0.4 ms)
             b, n = _grid(slot)
             lh.kv[b, n, :, :, slot] = value
-        else:  # eager: scatter_ is the faster of the two (1.5 against 2.4 ms)
-            lh.kv.scatter_(4, slot[:, :, None, None, None, None].expand(*value.shape[:4], 1, value.shape[4]),
-                           value.unsqueeze(-2))
+        else:  # eager: scatter_ is the faster of the two (1.5 against 2.4 ms); into a view of the first n columns
+            lh.kv[:, : value.shape[1]].scatter_(
+                4, slot[:, :, None, None, None, None].expand(*value.shape[:4], 1, value.shape[4]), value.unsqueeze(-2))
 
     def commit(self, masked: torch.Tensor, written: torch.Tensor | None = None,
                slot: torch.Tensor | None = None) -> None:
@@ -322,15 +340,19 @@ class TemporalCache:
             return
         written = masked if written is None else written
         slot = self.slots(written) if slot is None else slot
+        # After a window step over a front (:meth:`set_front`) ``written`` covers the first n columns only; the
+        # others are untouched, and this input revealed nothing there (a row reveals in its active block only).
+        n = written.shape[1]
+        valid = self.valid[:, :n]
         # unwritten positions set the sink's column, True already (index_put_ when compiling: see append)
         if torch.compiler.is_compiling():
-            b, n = _grid(slot)
-            self.valid[b, n, slot] = True
+            b, c = _grid(slot)
+            self.valid[b, c, slot] = True
         else:
-            self.valid.scatter_(2, slot[:, :, None], True)
-        self.count += written
+            valid.scatter_(2, slot[:, :, None], True)
+        self.count[:, :n] += written
         # A position revealed in this input is never masked again: its history is dead (the sink stays).
-        self.valid &= masked[:, :, None] | self.sink_column()
+        valid &= masked[:, :n, None] | self.sink_column()
 
     def sink_column(self) -> torch.Tensor:
         """(1 + C,) bool, True at the sink's column 0 only."""

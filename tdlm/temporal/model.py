@@ -153,17 +153,19 @@ def _history_rows(t: torch.Tensor, rows: torch.Tensor | None, j: torch.Tensor | 
 
 
 def _merge_entries(parts: list, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This evaluation's entry of one layer, (B, N, 2, M, dh) keys/values and (B, N) validity by storage column
-    (N = the cache's width), from the groups' parts (rows, slots, kv, valid); columns a window did not compute
-    stay invalid (zero keys/values)."""
+    """This evaluation's entry of one layer, (B, n, 2, M, dh) keys/values and (B, n) validity by storage column,
+    from the groups' parts (rows, target, kv, valid): ``target`` (b, w) the storage column of each of the part's
+    entries (N, the cache's width: none), or None for columns 0.. in order. One part of all rows in order is
+    returned as is, so n < N after a window step over the cache's front; otherwise n = N, and columns no part
+    computed stay invalid (zero keys/values)."""
     if len(parts) == 1 and parts[0][0] is None and parts[0][1] is None:
         return parts[0][2], parts[0][3]
     k0 = parts[0][2]
     KV = k0.new_zeros((B, N + 1, *k0.shape[2:]))  # column N: where window rows outside the response land
     valid = torch.zeros((B, N + 1), dtype=torch.bool, device=k0.device)
-    for rows, slots, kv, m in parts:
+    for rows, target, kv, m in parts:
         ri = (torch.arange(kv.shape[0], device=kv.device) if rows is None else rows)[:, None]
-        cols = torch.arange(N, device=kv.device)[None] if slots is None else slots[2]
+        cols = torch.arange(kv.shape[1], device=kv.device)[None] if target is None else target
         KV[ri, cols], valid[ri, cols] = kv, m
     return KV[:, :N], valid[:, :N]
 
@@ -444,19 +446,21 @@ class TDLM(nn.Module):
         cache.steps += 1
         return logits
 
-    def evaluate_groups(self, prompt_len: int, cache: TemporalCache, groups: list[StepGroup]) -> list[torch.Tensor]:
+    def evaluate_groups(self, prompt_len: int, cache: TemporalCache, groups: list[StepGroup],
+                        written_out: bool = False) -> list[torch.Tensor]:  # fmt: skip
         """The tensor work of one entry-based evaluation (:meth:`forward_groups` without its host checks and
         counters): every group's forward reads the history as it was, then this evaluation's entries are
         written and committed in place. Static shapes, no host synchronisation and no Python state that
         changes from step to step, so ``torch.compile(TDLM.evaluate_groups, fullgraph=True)`` traces it
-        once per step kind (:mod:`tdlm.decoding.loop`)."""
+        once per step kind (:mod:`tdlm.decoding.loop`). ``written_out``: the temporal attention's form for
+        inductor (:func:`tdlm.temporal.attention.step_attention`)."""
         L = groups[0].input_ids.shape[1]
         B, N = sum(g.input_ids.shape[0] for g in groups), L - prompt_len
         masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
         if cache.cols is not None:  # by storage column: the position each holds (none: not masked)
             masked = masked.gather(1, cache.cols.clamp(max=N - 1)) & (cache.cols < N)
         pending: dict[int, list] = {}
-        logits = [self._entry_group(g, prompt_len, cache, pending) for g in groups]
+        logits = [self._entry_group(g, prompt_len, cache, pending, written_out) for g in groups]
         written, slot = None, None
         for layer, parts in pending.items():
             kv, written = _merge_entries(parts, B, cache.width)
@@ -482,26 +486,42 @@ class TDLM(nn.Module):
         inside = inside & (col < cache.width)
         return j, inside, torch.where(inside, col, cache.width), col.clamp(max=cache.width - 1)
 
-    def _entry_group(self, g: StepGroup, prompt_len: int, cache: TemporalCache, pending: dict) -> torch.Tensor:
+    def _entry_group(self, g: StepGroup, prompt_len: int, cache: TemporalCache, pending: dict,
+                     written_out: bool = False) -> torch.Tensor:  # fmt: skip
         """One group's forward under an entry-based history; its entries go to ``pending`` (appended later)."""
         masked = self._masked(g.input_ids, prompt_len)  # (b, N)
         N = masked.shape[1]
         r = (~masked).sum(-1)  # (b,)
-        slots = self._slots(g.kv, prompt_len, g.input_ids.shape[1], cache, g.rows)
+        window = g.kv is not None and not g.kv.refresh
+        front = cache.front if window and self.policy.kind != "current" else None
+        slots = None if front is not None else self._slots(g.kv, prompt_len, g.input_ids.shape[1], cache, g.rows)
         # Full forwards compute every storage column's position: pos (b, W) (None: the cache has no columns,
-        # history `current`: all N positions in order). A window step computes its own rows (slots).
+        # history `current`: all N positions in order). A window step over the cache's front computes its first
+        # w columns: pos (b, w) then indexes the window's rows. Otherwise a window step computes its own rows
+        # (slots) and looks their columns up.
         cols = None if cache.cols is None or slots is not None else _history_rows(cache.cols, g.rows, None)
         pos = None if cols is None else cols.clamp(max=N - 1)
-        if slots is not None:
+        target = None  # where this group's entries go: None = the columns 0.. in order
+        narrow = front is not None
+        if narrow:
+            cols = _history_rows(front, g.rows, None)  # (b, w) positions of the first w columns
+            row = cols - (g.kv.start + self.offset - prompt_len)[:, None]  # their window rows
+            m = (row >= 0) & (row < g.kv.width) & (cols < N)  # in the window: computed
+            m = m & masked.gather(1, cols.clamp(max=N - 1))  # masked and computed
+            pos = row.clamp(0, g.kv.width - 1)
+        elif slots is not None:
             m = slots[1] & masked.gather(1, slots[0])  # masked and computed
+            target = slots[2]
         else:
             m = masked if cols is None else masked.gather(1, pos) & (cols < N)
         mcol = m.unsqueeze(-1)
         j = None if slots is None else slots[3]  # the window rows' storage columns
-        allowed = None  # (b, W or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
-        biases = None  # (L_t, b, W or W_win, 1 + C): every temporal layer's additive mask, built once per evaluation
+        w = None if not narrow else cols.shape[1]
+        allowed = None  # (b, W, w or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
+        biases = None  # (L_t, b, ..., 1 + C): every temporal layer's additive mask, built once per evaluation
         if self.policy.kind != "current" and cache.valid is not None:
-            allowed = _history_rows(cache.valid, g.rows, j) & (mcol | cache.sink_column())
+            valid = cache.valid[:, :w] if narrow else cache.valid
+            allowed = _history_rows(valid, g.rows, j) & (mcol | cache.sink_column())
             biases = TemporalAttention.step_biases([self.temporal[str(i)] for i in self.layer_ids], allowed)
         order = {layer: k for k, layer in enumerate(self.layer_ids)}
         tables: dict = {}  # this evaluation's temporal RoPE tables, computed at the first temporal layer
@@ -511,9 +531,9 @@ class TDLM(nn.Module):
             if mod is None:
                 return h
             if slots is None:
-                a, b = self._slice(h, prompt_len)
-                hr = h[:, a:b]  # (b, N, d)
-                if pos is not None:  # the positions of the storage columns, (b, W, d)
+                a, b = (0, h.shape[1]) if narrow else self._slice(h, prompt_len)
+                hr = h[:, a:b]  # (b, N, d), or the window (b, W_win, d)
+                if pos is not None:  # at the storage columns' positions, (b, W or w, d)
                     hr = hr.gather(1, pos[..., None].expand(-1, -1, hr.shape[-1]))
             else:
                 a, b, hr = 0, h.shape[1], h  # (b, W_win, d): the window
@@ -523,11 +543,14 @@ class TDLM(nn.Module):
                 z, _ = mod.step(hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
             else:
                 vis = cache.visible(layer)
-                # the storage itself, a view (no copy), unless a window or a row group gathers its rows
-                history = None if vis is None else (_history_rows(vis[0], g.rows, j), allowed)
+                # the storage itself or its first w columns, a view (no copy), unless a row group or a window
+                # without a front gathers its rows
+                store = None if vis is None else (vis[0][:, :w] if narrow else vis[0])
+                history = None if vis is None else (_history_rows(store, g.rows, j), allowed)
                 bias = None if biases is None else biases[order[layer]]
-                z, kv = mod.step(hr, r, history, rope=tables["rope"], bias=bias)  # Eq. 7-9: 1 matmul, rope, SDPA
-                pending.setdefault(layer, []).append((g.rows, slots, kv, m))
+                # Eq. 7-9: 1 matmul, rope, SDPA
+                z, kv = mod.step(hr, r, history, rope=tables["rope"], bias=bias, written_out=written_out)
+                pending.setdefault(layer, []).append((g.rows, target, kv, m))
                 if z is None:
                     return h
             if pos is not None:  # Eq. 10 + Eq. 2 added at the columns' positions (z = 0 where m = 0)
