@@ -558,7 +558,7 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
     (``'tdlm'``, a history preallocated by ``new_cache(B, length=G)`` after ``steps_done`` evaluations), then
     the loop's float64 confidence of the block. With a spatial cache the block's refresh runs first and the
     window step is traced separately (``window`` key); ``eval`` is the refresh / the uncached evaluation."""
-    from tdlm.decoding.loop import _backbone_eval
+    from tdlm.decoding.loop import _backbone_eval, window_front
     from tdlm.models.kv_cache import KVStep, SpatialKVCache
 
     shape = shape or DECODE
@@ -580,7 +580,12 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
             cache.steps = steps_done  # the host counter after `steps_done` evaluations
             if hasattr(cache, "reserve"):  # storage as it stands then (its growth is not this evaluation's work)
                 cache.reserve(steps_done + 1)
+            if block > 0:  # the loop's storage columns at the block's start: the earlier blocks are revealed
+                still = torch.zeros((b, G), dtype=torch.bool, device=dev)
+                still[:, block * bs :] = True
+                cache.compact(still, G - block * bs)
             out["history_bytes"] = ledger.watch_tensors(_tensors(cache))
+            out["history_columns"] = cache.width
         kv_cache = SpatialKVCache(cache_mode, b) if cache_mode != "none" else None
         kinds = [("eval", KVStep(kv_cache, True) if kv_cache is not None else None)]
         if kv_cache is not None:
@@ -589,6 +594,9 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
             if kind == "window":
                 step = KVStep.window(kv_cache, torch.full((b,), start, device=dev), bs, L, bb.logit_shift,
                                      host_starts=[start] * b)  # fmt: skip
+                if cache is not None:  # the loop's front: the block's columns come first (window_front)
+                    front = window_front([block], [block], [bs], bs, model.offset)
+                    cache.set_front(front if cache_mode == "dual" else cache.width)
             ledger.reset()
             if mt is not None:
                 mt.reset_mod_stats()  # one MemTracker over both forwards (it counts one call per module)

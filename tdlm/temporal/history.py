@@ -154,7 +154,9 @@ class TemporalCache:
     fewer (:func:`column_bucket`), and every per-position cost of a temporal layer (projections, attention, entry
     writes) then scales with the masked positions instead of N. Results are unchanged: the attention of a
     position reads only its own column. ``count``, ``valid`` and the storage are indexed by column; the
-    readers :meth:`entry_validity` and :meth:`valid_entries` answer by position.
+    readers :meth:`entry_validity` and :meth:`valid_entries` answer by position. A window step of the prefix /
+    dual cache reads and writes the first ``front`` columns (:meth:`set_front`), a view, when the loop can promise
+    that they hold every position it computes.
     """
 
     batch_size: int
@@ -265,6 +267,7 @@ class TemporalCache:
         self.valid = self.valid[rows, idx] & (kept[:, :, None] | self.sink_column())
         for lh in self.layers.values():
             lh.kv = lh.kv[rows, idx]
+        self.front = None  # a promise about the old columns
         self._slots_dynamic()
         return True
 
@@ -369,6 +372,7 @@ class TemporalCache:
             if t is not None:
                 setattr(self, name, t.index_select(0, index.to(t.device)))
         self.batch_size = int(index.numel())
+        self.front = None  # a promise about the old rows
         if self.layers:
             self._slots_dynamic()
 
