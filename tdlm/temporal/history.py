@@ -354,8 +354,10 @@ class TemporalCache:
         else:
             valid.scatter_(2, slot[:, :, None], True)
         self.count[:, :n] += written
-        # A position revealed in this input is never masked again: its history is dead (the sink stays).
-        valid &= masked[:, :n, None] | self.sink_column()
+        # A position revealed in this input is never masked again: its history is dead (the sink stays). Over
+        # every column (the others are masked or dead already), since inductor's CPU code for this AND into a
+        # slice of a bool tensor does not compile (torch 2.13: VecMask<int> / VecMask<float> in one ?:).
+        self.valid &= masked[:, :, None] | self.sink_column()
 
     def sink_column(self) -> torch.Tensor:
         """(1 + C,) bool, True at the sink's column 0 only."""
