@@ -595,7 +595,7 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
                 step = KVStep.window(kv_cache, torch.full((b,), start, device=dev), bs, L, bb.logit_shift,
                                      host_starts=[start] * b)  # fmt: skip
                 if cache is not None:  # the loop's front: the block's columns come first (window_front)
-                    front = window_front([block], [block], [bs], bs, model.offset)
+                    front = window_front([block], [block], [bs], bs, model.offset, G)
                     cache.set_front(front if cache_mode == "dual" else cache.width)
             ledger.reset()
             if mt is not None:

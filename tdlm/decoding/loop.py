@@ -278,7 +278,7 @@ def compiled_steps(backend: str, mode: str | None):
 
 
 def window_front(blocks: Sequence[int], compacted_blocks: Sequence[int], compacted_masked: Sequence[int],
-                 block_size: int, extra: int) -> int:
+                 block_size: int, extra: int, length: int) -> int:
     """Host side: how many of the temporal history's first storage columns hold every masked position that the
     rows' next dual window steps compute (:meth:`tdlm.temporal.history.TemporalCache.set_front`), from what the
     host knows: each row's active block now (``blocks``), at its cache's last compaction (``compacted_blocks``)
@@ -288,11 +288,12 @@ def window_front(blocks: Sequence[int], compacted_blocks: Sequence[int], compact
     after it, and the columns (in position order) a compaction keeps are exactly those. So a row still in the
     block it was in at the compaction has that block's masked positions in columns 0 .. n0 - 1; a row k0 < k
     blocks on holds n0 + (k - k0 - 1) x block_size columns of revealed positions before its block and the block
-    after them. ``extra``: window positions past the block's end (Dream's window under prediction alignment, 1)."""
+    after them. ``extra``: window positions past the block's end (Dream's window under prediction alignment, 1).
+    Rounded up as storage widths are (:func:`column_bucket`, at most ``length``, the response's positions)."""
     most = 0
     for k, k0, n0 in zip(blocks, compacted_blocks, compacted_masked, strict=True):
         most = max(most, n0 if k == k0 else n0 + (k - k0) * block_size)
-    return column_bucket(most + extra, 1 << 62)
+    return column_bucket(most + extra, length)
 
 
 def _graphs_compiled() -> int:
@@ -402,7 +403,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     extra = getattr(model, "offset", 0)
     # A dual window step over a front of more columns than this gathers its positions' columns instead (rows far
     # past the last compaction); a bound of twice the window's own width, not tuned.
-    front_most = 2 * column_bucket(bs + backbone.logit_shift, 1 << 62)
+    front_most = 2 * column_bucket(bs + backbone.logit_shift, G)
     kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
     pos_block = torch.arange(G, device=device) // bs  # (G,)
     block_pos = torch.arange(bs, device=device)
@@ -434,7 +435,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
                          backbone.logit_shift)  # fmt: skip
         if cache is not None:
             if cfg.cache == "dual":
-                front = window_front(blk_host, comp_blk, comp_in, bs, extra)
+                front = window_front(blk_host, comp_blk, comp_in, bs, extra, G)
                 cache.set_front(front if front <= front_most else None)
             elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
                 cache.set_front(cache.width)

@@ -343,16 +343,14 @@ class TemporalCache:
             return
         written = masked if written is None else written
         slot = self.slots(written) if slot is None else slot
-        # After a window step over a front (:meth:`set_front`) ``written`` covers the first n columns only; the
-        # others are untouched, and this input revealed nothing there (a row reveals in its active block only).
+        # After a window step over a front (:meth:`set_front`) ``written`` covers the first n columns only.
         n = written.shape[1]
-        valid = self.valid[:, :n]
         # unwritten positions set the sink's column, True already (index_put_ when compiling: see append)
         if torch.compiler.is_compiling():
             b, c = _grid(slot)
             self.valid[b, c, slot] = True
         else:
-            valid.scatter_(2, slot[:, :, None], True)
+            self.valid[:, :n].scatter_(2, slot[:, :, None], True)
         self.count[:, :n] += written
         # A position revealed in this input is never masked again: its history is dead (the sink stays). Over
         # every column (the others are masked or dead already), since inductor's CPU code for this AND into a

@@ -517,7 +517,7 @@ class TDLM(nn.Module):
         mcol = m.unsqueeze(-1)
         j = None if slots is None else slots[3]  # the window rows' storage columns
         w = None if not narrow else cols.shape[1]
-        allowed = None  # (b, W, w or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
+        allowed = None  # (b, W or w or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
         biases = None  # (L_t, b, ..., 1 + C): every temporal layer's additive mask, built once per evaluation
         if self.policy.kind != "current" and cache.valid is not None:
             valid = cache.valid[:, :w] if narrow else cache.valid
