@@ -12,7 +12,9 @@ error) or "skipped" (with the reason); a failing stage never stops the next one.
   weights built on meta, materialised on the GPU), prompt 256 + 64 generated in blocks of 32, batch 1 and a
   left-padded batch of 8, cache none / dual, eager and compiled (``compile=True``), threshold vs tdlm (the
   paper's allocation, a live adapter): ms per NFE and the TDLM/backbone ratio. The paper's anchor: 0.585 s
-  for 40.08 NFE on GH200, about 14.6 ms per NFE. Settings beyond ``--nfe-budget`` seconds are skipped.
+  for 40.08 NFE on GH200, about 14.6 ms per NFE. Settings beyond ``--nfe-budget`` seconds are skipped. Each
+  compiled batch-1 setting is decoded once more under ``torch.profiler`` (:func:`launch_profile`): kernels per
+  NFE and the GPU's busy time against the wall, what the launch term of the prediction assumes.
 * ``deepspeed``: one ZeRO-3 training step through ``deepspeed.initialize`` on a single rank (NCCL), if
   DeepSpeed is importable (its wheels travel in ``.whl/``, see gpu_check.sh).
 
@@ -21,7 +23,9 @@ error) or "skipped" (with the reason); a failing stage never stops the next one.
 After the stages, :func:`beside_predicted` prints each measured number next to the prediction made without a GPU
 (``bench/results/true_shape.json``, ``bench/true_shape.py``): the train stage's peak next to the traced peak of the
 same single-process step (MemTracker under FakeTensorMode, plus the AdamW moments), the nfe stage's ms per NFE next
-to the roofline prediction for H200 (eager: the unfused bound; compiled: fused + kernel launches). It writes
+to the roofline prediction for H200 (eager: the unfused bound; compiled: fused + kernel launches added, and beside
+it the same launches issued asynchronously and with CUDA graphs), and the profiled kernels per NFE next to the
+count inductor's CPU graph gave (``bench/results/dispatch_count.json``). It writes
 ``<out>/predicted_vs_measured.json``. A dry run does the same with its toy numbers (the ratios mean nothing there;
 the code path is what it checks).
 """
@@ -146,6 +150,40 @@ def _live(backbone, dry_run: bool) -> TDLM:
     return model.eval()
 
 
+def launch_profile(target, req: list[list[int]], kw: dict, device: torch.device) -> dict:
+    """One more decode of a compiled setting under ``torch.profiler``, per NFE: the kernels the GPU ran (its own
+    kernel events) and their summed time (the GPU's busy time: one stream, so the kernels do not overlap), beside
+    the profiled wall time. The launch term of ``bench/true_shape.py`` rests on two numbers this measures: kernels
+    per NFE (predicted from inductor's CPU graph) and whether launches hide behind the GPU's work (busy / wall near
+    1: the "overlapped" prediction; well below 1: the host launches too slowly, the "added" bound). On a CPU (dry
+    run) there are no device events: the profiled operator events per NFE are recorded instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        res = tdlm.decode(target, req, **kw)
+        sync(device)
+    wall = time.perf_counter() - t0
+    evals = max(r.nfe for r in res)
+    events = prof.events()
+    out: dict = {"nfe": evals, "profiled_wall_ms_per_nfe": 1000 * wall / evals}
+    if cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+        launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                     "cuLaunchKernelEx")]  # fmt: skip
+        out |= {"kernels_per_nfe": len(kernels) / evals, "gpu_busy_ms_per_nfe": busy_us / 1000 / evals,
+                "busy_over_wall": busy_us / 1e6 / wall if wall else None,
+                "launch_api_us_mean": (sum(e.time_range.elapsed_us() for e in launches) / len(launches)
+                                       if launches else None)}  # fmt: skip
+    else:
+        out["cpu_events_per_nfe"] = len(events) / evals
+    return out
+
+
 def stage_nfe(ctx: SimpleNamespace) -> dict:
     """``tdlm.decode`` as users run it: LLaDA-8B and Dream-7B shape (random weights), batch 1 and a left-padded
     batch of 8, cache none / dual, eager and compiled (``compile=True``; the eager backend in a dry run),
@@ -199,6 +237,8 @@ def stage_nfe(ctx: SimpleNamespace) -> dict:
                 evals = max(r.nfe for r in res)
                 row[f"{policy}_ms_per_nfe"] = 1000 * sec / evals
                 row[f"{policy}_nfe"] = [r.nfe for r in res]
+                if mode == "compiled" and batch == 1:  # after the timed decode: the profiler slows what it watches
+                    row[f"{policy}_launches"] = launch_profile(target, req, kw, ctx.device)
             except Exception as e:  # a failing setting is a result, not the end of the stage
                 row[f"{policy}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         if "threshold_ms_per_nfe" in row and "tdlm_ms_per_nfe" in row:
@@ -293,16 +333,31 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
         for m in json.loads(nfe_path.read_text()).get("rows", []):
             p = nfe_pred.get((m["model"], m["batch"], m["cache"]))
             for policy in ("threshold", "tdlm"):
+                pm = p[f"{policy}_ms_per_nfe"] if p else {}
                 rows.append({"what": f"ms/NFE {m['model']} b{m['batch']} {m['cache']} {m['mode']} {policy}",
-                             "unit": "ms", "measured": m.get(f"{policy}_ms_per_nfe"),
-                             "predicted": p[f"{policy}_ms_per_nfe"][m["mode"]] if p else None})  # fmt: skip
+                             "unit": "ms", "measured": m.get(f"{policy}_ms_per_nfe"), "predicted": pm.get(m["mode"]),
+                             # compiled: the launches added (above) or issued asynchronously (here), and none
+                             "predicted_overlapped": pm.get("compiled_overlapped") if m["mode"] == "compiled" else None,
+                             "predicted_cuda_graphs": pm.get("cuda_graphs") if m["mode"] == "compiled" else None})
+                prof = m.get(f"{policy}_launches") or {}
+                count = pred.get("nfe", {}).get(m["model"], {}).get("compiled_kernels", {})
+                if prof.get("kernels_per_nfe") is not None and m["cache"] == "none":
+                    rows.append({"what": f"kernels/NFE {m['model']} b1 none compiled {policy}", "unit": "",
+                                 "measured": prof["kernels_per_nfe"],
+                                 "predicted": count.get("tdlm" if policy == "tdlm" else "backbone")})
+                if prof.get("busy_over_wall") is not None:
+                    rows.append({"what": f"GPU busy/wall {m['model']} b1 {m['cache']} compiled {policy}", "unit": "",
+                                 "measured": prof["busy_over_wall"], "predicted": None})
     print(f"[gpu_check] measured beside predicted ({prediction.name}; H200 roofline{', dry run' if dry_run else ''}):")
     for r in rows:
         ratio = r["measured"] / r["predicted"] if r["measured"] and r["predicted"] else None
         r["ratio"] = ratio
         fmt = (lambda v: "   n/a" if v is None else f"{v:8.2f}")  # noqa: E731
+        more = "".join(f"  {label} {fmt(r[k])}" for k, label in (("predicted_overlapped", "overlapped"),
+                                                                  ("predicted_cuda_graphs", "CUDA graphs"))
+                       if r.get(k) is not None)  # fmt: skip
         print(f"  {r['what']:48s} measured {fmt(r['measured'])} {r['unit']:3s} predicted {fmt(r['predicted'])}"
-              + ("" if ratio is None else f"  ratio {ratio:.2f}"), flush=True)  # fmt: skip
+              + ("" if ratio is None else f"  ratio {ratio:.2f}") + more, flush=True)  # fmt: skip
     result = {"status": "ok", "prediction": str(prediction), "dry_run": dry_run, "rows": rows}
     (out / f"predicted_vs_measured{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

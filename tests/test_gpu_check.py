@@ -30,6 +30,10 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     for r in nfe:
         assert r["tdlm_over_backbone"] > 0 and r["threshold_nfe"] == r["tdlm_nfe"], r
         assert len(r["tdlm_nfe"]) == r["batch"]
+        if r["mode"] == "compiled":  # the launch profile (on a CPU: operator events, no device kernels)
+            for policy in ("threshold", "tdlm"):
+                prof = r[f"{policy}_launches"]
+                assert prof["nfe"] == max(r[f"{policy}_nfe"]) and prof["cpu_events_per_nfe"] > 0, prof
     ds = stages["gpu_deepspeed_dryrun.json"]
     assert ds["zero_stage"] == 3 and len(ds["losses"]) == 3 and all(x == x for x in ds["losses"])
 

@@ -55,3 +55,31 @@ def test_training_micro_step_at_true_shape(name):
     assert row["violations"] == [], row["violations"]
     assert row["vocab_shapes"] == [(row["supervised"], V)], row["vocab_shapes"]  # logits of S rows only
     assert 0 < row["supervised"] <= 4 * 256
+
+
+def test_overlapped_launches_hide_behind_long_kernels_and_add_up_behind_short_ones():
+    """The launch models of the prediction (bench/true_shape.py): asynchronous issue costs only the first launch
+    when every kernel outlasts a launch, every launch when none does, and nothing with CUDA graphs."""
+    long, short = [10.0] * 100, [1.0] * 100  # µs per kernel; 100 launches of 5 µs each = 500 µs of host time
+    assert ts.overlapped_ms(long, host_us=500) == pytest.approx((5 + 1000) * 1e-3)  # first issue + roofline
+    assert ts.overlapped_ms(short, host_us=500) == pytest.approx((500 + 1) * 1e-3)  # the launches + the last kernel
+    assert ts.overlapped_ms(short, host_us=0) == pytest.approx(sum(short) * 1e-3)  # CUDA graphs: the roofline
+    mixed = [30.0, 0.1, 0.1, 0.1, 30.0, 0.2, 0.2] * 20
+    t = ts.overlapped_ms(mixed, host_us=5 * len(mixed))
+    assert sum(mixed) * 1e-3 < t < (sum(mixed) + 5 * len(mixed)) * 1e-3  # between CUDA graphs and launches added
+
+
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_the_timeline_kernels_are_the_fused_roofline(fake_models, cache):
+    """The kernels put on the timeline are the fused roofline's ops, grouped as ``kernels_fused_est`` counts them."""
+    model, mode = fake_models["llada-8b"]
+    r = ts.trace_decode(model, mode, "tdlm", cache, 0, 1, 0)
+    for kind in ("eval", "window") if cache != "none" else ("eval",):
+        step = r[kind]
+        for gpu in ts.GPUS:
+            us = step["_kernel_us"][gpu]
+            assert len(us) == step["kernels_fused_est"]
+            assert sum(us) * 1e-3 == pytest.approx(step["roofline_ms"][gpu]["fused"], rel=1e-9)
+            ms = ts.step_ms(step, gpu, kernels=len(us), launch_us=5.0)
+            assert ms["graphs"] <= ms["overlap"] <= ms["launch"]
+    assert "_kernel_us" not in str(ts.strip_timelines(r))
