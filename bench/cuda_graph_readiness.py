@@ -1,0 +1,116 @@
+"""Would CUDA graphs capture the compiled decode steps? What inductor's CUDA-graph trees check, read on this CPU.
+
+``compile="reduce-overhead"`` (``tdlm.DecodeConfig.compile``) asks inductor to replay each compiled step as a CUDA
+graph, which is what makes the launch term of ``bench/true_shape.py`` about 0 (its "CUDA graphs" column). CUDA-graph
+trees (torch 2.13, ``torch/_inductor/cudagraph_utils.py: check_for_mutation``) run a graph without a CUDA graph
+when it mutates an input in place that is neither static (a parameter, a buffer, a tensor given to
+``torch._dynamo.mark_static_address``) nor the output of an earlier recorded graph. That check needs no GPU: it is
+made on the graph, as is the check for ops a CUDA graph cannot hold (``get_first_incompatible_cudagraph_node``).
+This bench decodes tiny LLaDA and Dream models with ``compile=True`` (inductor, CPU) and records,
+for every graph inductor compiles, the inputs it mutates and whether each is static (``CompiledFxGraph``'s
+``mutated_input_idxs`` and ``static_input_idxs``, the numbers the trees use), each input named by its shape as the
+decode step holds it: a temporal history storage (B, W, 2, M, 1 + C, d_h), its validity (B, W, 1 + C) or counts
+(B, W), or a spatial KV cache (B, H, L, d_h).
+
+Only which graphs would be captured is established here; what a capture then costs on a GPU is not.
+
+Usage:  python bench/cuda_graph_readiness.py [--out bench/results/cuda_graph_readiness.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from benchlib import machine, write_result  # noqa: E402
+
+import tdlm  # noqa: E402
+from tdlm.models.loading import load_backbone  # noqa: E402
+from tdlm.temporal.model import TDLM, TemporalConfig  # noqa: E402
+
+
+def _role(val) -> str:
+    """What a mutated graph input is, from its shape and dtype as the decode step holds it."""
+    if not isinstance(val, torch.Tensor):
+        return type(val).__name__
+    shape = "x".join(str(s) for s in val.shape)
+    if val.dim() == 6:
+        return f"temporal history storage {shape}"
+    if val.dim() == 4 and val.is_floating_point():
+        return f"spatial KV cache {shape}"
+    if val.dim() == 3 and val.dtype == torch.bool:
+        return f"temporal history validity {shape}"
+    if val.dim() == 2 and not val.is_floating_point():
+        return f"temporal history counts / columns {shape}"
+    return f"{str(val.dtype).removeprefix('torch.')} {shape}"
+
+
+def probe(decode) -> list[dict]:
+    """Run ``decode()`` and return, per graph inductor compiled during it, its mutated inputs and their status."""
+    from torch._inductor import output_code
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    seen: list[dict] = []
+    orig = output_code.CompiledFxGraph.__init__
+
+    def init(self, current_callable, graph, gm, *rest, **kw):
+        orig(self, current_callable, graph, gm, *rest, **kw)
+        static = set(rest[6] if len(rest) > 6 else kw.get("static_input_idxs") or ())  # after example_inputs
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        mutated = sorted(self.mutated_input_idxs)
+        bad = get_first_incompatible_cudagraph_node(gm)  # an op CUDA graphs cannot hold (e.g. unbacked sizes)
+        seen.append({"inputs": len(holders), "static_inputs": len(static),
+                     "mutated": [{"input": holders[i].name, "what": _role(holders[i].meta.get("val")),
+                                  "static": i in static} for i in mutated],
+                     "incompatible_op": None if bad is None else str(bad.target),
+                     "captured": bad is None and all(i in static for i in mutated)})  # fmt: skip
+
+    output_code.CompiledFxGraph.__init__ = init
+    try:
+        # every graph compiled afresh here: a graph loaded from inductor's caches skips __init__
+        with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):  # fmt: skip
+            torch._dynamo.reset()
+            decode()
+    finally:
+        output_code.CompiledFxGraph.__init__ = orig
+    return seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_graph_readiness.json"))
+    ap.add_argument("--models", default="tiny-llada,tiny-dream")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    result: dict = {"machine": machine(), "load_before": os.getloadavg(), "torch": torch.__version__, "rows": []}
+    print(f"{'model':11s} {'cache':6s} {'policy':9s} {'graphs':>6s} {'captured':>8s}  "
+          f"mutated inputs that are not static")
+    for name in args.models.split(","):
+        bb = load_backbone(name)
+        model = TDLM(bb, TemporalConfig(layers="all", history="full")).eval()
+        for cache in ("none", "prefix", "dual"):
+            for policy, target in (("threshold", bb), ("tdlm", model)):
+                graphs = probe(lambda t=target, p=policy, c=cache: tdlm.decode(
+                    t, [[3, 4, 40, 41, 42, 43]], policy=p, cache=c, gen_length=16, block_size=8, compile=True))
+                blocked = sorted({m["what"].split(" 1x")[0] for g in graphs for m in g["mutated"] if not m["static"]})
+                row = {"model": name, "cache": cache, "policy": policy, "graphs": graphs,
+                       "captured": sum(g["captured"] for g in graphs), "not_static_mutated": blocked}  # fmt: skip
+                result["rows"].append(row)
+                print(f"{name:11s} {cache:6s} {policy:9s} {len(graphs):6d} {row['captured']:8d}  "
+                      f"{', '.join(blocked) or '-'}", flush=True)  # fmt: skip
+    result["load_after"] = os.getloadavg()
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
