@@ -621,6 +621,9 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
                 still = torch.zeros((b, G), dtype=torch.bool, device=dev)
                 still[:, block * bs :] = True
                 cache.compact(still, G - block * bs)
+            # the loop's promise for one row under the dual cache: its columns are its rows in order (claim_rows)
+            in_order = cache_mode == "dual" and b == 1
+            cache.claim_rows(in_order and cache.width == G - block * bs)
             out["history_bytes"] = ledger.watch_tensors(_tensors(cache))
             out["history_columns"] = cache.width
         kv_cache = SpatialKVCache(cache_mode, b) if cache_mode != "none" else None
@@ -633,7 +636,10 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
                                      host_starts=[start] * b)  # fmt: skip
                 if cache is not None:  # the loop's front: the block's columns come first (window_front)
                     front = window_front([block], [block], [bs], bs, model.offset, G)
-                    cache.set_front(front if cache_mode == "dual" else cache.width)
+                    if in_order:  # as the loop: the window's rows from (logit shift - offset), in order
+                        cache.set_front(min(front, bs + model.offset), aligned=True)
+                    else:
+                        cache.set_front(front if cache_mode == "dual" else cache.width)
             ledger.reset()
             if mt is not None:
                 mt.reset_mod_stats()  # one MemTracker over both forwards (it counts one call per module)

@@ -452,7 +452,7 @@ def test_window_steps_over_the_history_front_equal_the_gathered_columns(name, mo
     monkeypatch.setattr(tdlm.TDLM, "forward_groups", recording("front"))
     with torch.no_grad():
         on = decode(model, PROMPTS, **kw)
-    monkeypatch.setattr(TemporalCache, "set_front", lambda self, columns: setattr(self, "front", None))
+    monkeypatch.setattr(TemporalCache, "set_front", lambda self, columns, aligned=False: setattr(self, "front", None))
     monkeypatch.setattr(tdlm.TDLM, "forward_groups", recording("gather"))
     with torch.no_grad():
         off = decode(model, PROMPTS, **kw)
@@ -461,5 +461,56 @@ def test_window_steps_over_the_history_front_equal_the_gathered_columns(name, mo
     assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
     assert len(runs["front"]) == len(runs["gather"])
     for a, b in zip(runs["front"], runs["gather"], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,alignment", [("tiny-llada", "prediction"), ("tiny-dream", "prediction"),
+                                            ("tiny-dream", "position")])  # fmt: skip
+def test_a_single_row_under_the_dual_cache_reads_its_history_rows_as_a_slice(name, alignment, monkeypatch):
+    """One row under the dual cache: its history's columns are its rows from the active block's start, in order
+    (the loop's promise: TemporalCache.claim_rows, set_front(aligned=True)), so every temporal layer reads a slice
+    of h and corrects it in place, with no gather and no scatter-add (correct_at is never called). Every
+    evaluation's logits equal those of the decode that gathers and scatters (fp32, 1e-5), and so do tokens, NFE
+    and reveal steps: over block changes (3 blocks), the refresh after each, the window steps, with Dream's
+    window one row longer and, under position alignment, shifted by one row."""
+    from tdlm.temporal.attention import TemporalAttention
+    from tdlm.temporal.history import TemporalCache
+
+    model = live_tdlm(sharp_backbone(name), history="full")
+    model.config.alignment = alignment
+    model.offset = model.backbone.logit_shift if alignment == "prediction" else 0
+    kw = {"policy": "tdlm", "threshold": 0.9, "cache": "dual", "gen_length": 24, "block_size": 8}
+    forward_groups, correct_at = tdlm.TDLM.forward_groups, TemporalAttention.correct_at
+    runs: dict[str, list] = {"slice": [], "gather": []}
+    scattered = {"slice": 0, "gather": 0}
+
+    def recording(key):
+        def run(self, prompt_len, cache, groups, evaluate=None):
+            outs = forward_groups(self, prompt_len, cache, groups, evaluate)
+            runs[key].append([o.clone() for o in outs])
+            return outs
+
+        def scatter(self, *a, **k):
+            scattered[key] += 1
+            return correct_at(self, *a, **k)
+        monkeypatch.setattr(tdlm.TDLM, "forward_groups", run)
+        monkeypatch.setattr(TemporalAttention, "correct_at", scatter)
+
+    recording("slice")
+    with torch.no_grad():
+        on = decode(model, [PROMPTS[0]], **kw)
+    set_front = TemporalCache.set_front
+    monkeypatch.setattr(TemporalCache, "claim_rows", lambda self, suffix: None)  # no promise: gather and scatter
+    monkeypatch.setattr(TemporalCache, "set_front", lambda self, columns, aligned=False: set_front(self, columns))
+    recording("gather")
+    with torch.no_grad():
+        off = decode(model, [PROMPTS[0]], **kw)
+    assert on[0].nfe > 3 * 2, "too few evaluations: the test needs window steps in every block"
+    assert scattered["slice"] == 0 and scattered["gather"] > 0, scattered
+    assert [r.tokens for r in on] == [r.tokens for r in off]
+    assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
+    assert len(runs["slice"]) == len(runs["gather"])
+    for a, b in zip(runs["slice"], runs["gather"], strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)

@@ -405,6 +405,13 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     # past the last compaction); a bound of twice the window's own width, not tuned.
     front_most = 2 * column_bucket(bs + backbone.logit_shift, G)
     kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
+    # A single row under the dual cache compacts only when it changes block, and a row reveals only in its active
+    # block, so its history's columns always hold the positions from its active block's start in order: the rows
+    # of h that a temporal layer reads, a slice of h (TemporalCache.claim_rows / set_front(aligned=True)): no gather
+    # of h and no scatter-add of the correction per temporal layer. Several rows sit in different blocks.
+    in_order = cache is not None and cfg.cache == "dual" and B == 1
+    if in_order:
+        cache.claim_rows(cache.width == G)
     pos_block = torch.arange(G, device=device) // bs  # (G,)
     block_pos = torch.arange(bs, device=device)
     stop_t = torch.tensor(sorted(stops), device=device)
@@ -436,7 +443,10 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         if cache is not None:
             if cfg.cache == "dual":
                 front = window_front(blk_host, comp_blk, comp_in, bs, extra, G)
-                cache.set_front(front if front <= front_most else None)
+                if in_order:  # the block's columns are the window's rows from (logit shift - offset), in order
+                    cache.set_front(min(front, bs + extra), aligned=True)
+                else:
+                    cache.set_front(front if front <= front_most else None)
             elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
                 cache.set_front(cache.width)
             outs = model.forward_groups(P, cache, [
@@ -504,6 +514,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             # the history of revealed positions is dead: fewer storage columns, each row's from its active block on
             comp_blk = list(blk_host)
             comp_in = [n - (G - (k + 1) * bs) for n, k in zip(left, blk_host, strict=True)]
+            if in_order:  # kept: the positions from the new block's start, W of them unless rounded up
+                cache.claim_rows(cache.width == left[0])
     if bar is not None:
         bar.close()
     results = []

@@ -173,6 +173,12 @@ class TemporalCache:
     # (B, w) view cols[:, :w]: the columns that hold every masked position the next window step computes, set by
     # the decoding loop (:meth:`set_front`); None: a window step looks its positions' columns up instead
     front: torch.Tensor | None = None
+    # Host promises of the decoding loop that the storage columns are rows of h in order, so a temporal layer reads
+    # a slice of h and adds its correction in place instead of gathering and scattering rows (:meth:`claim_rows`):
+    # ``suffix``: column w of every row holds response position N - W + w; ``front_aligned``: the front's column w
+    # holds the position of a dual window's row (logit shift - alignment offset) + w.
+    suffix: bool = False
+    front_aligned: bool = False
 
     def check(self, batch_size: int, prompt_len: int, length: int) -> None:
         if batch_size != self.batch_size:
@@ -267,21 +273,37 @@ class TemporalCache:
         self.valid = self.valid[rows, idx] & (kept[:, :, None] | self.sink_column())
         for lh in self.layers.values():
             lh.kv = lh.kv[rows, idx]
-        self.front = None  # a promise about the old columns
+        self.front = None  # promises about the old columns
+        self.suffix = self.front_aligned = False
         self._slots_dynamic()
         return True
 
-    def set_front(self, columns: int | None) -> None:
+    def claim_rows(self, suffix: bool) -> None:
+        """Host side: promise (or withdraw) that column w of every row holds response position N - W + w, the
+        last W positions in order, which the decoding loop knows from its blocks (a single row under the dual cache).
+        A full forward's temporal layer then reads its columns' hidden states as the slice h[:, b - W : b] of
+        the response rows and adds Eq. 2 into that slice in place, where it would gather them and scatter-add the
+        correction back: two kernels fewer per temporal layer, the same values (the rows are the same)."""
+        self.suffix = bool(suffix) and self.cols is not None
+
+    def set_front(self, columns: int | None, aligned: bool = False) -> None:
         """Host side, before an evaluation: promise that the first ``columns`` storage columns of every row hold
         each masked position its next window step computes (None: no promise). The decoding loop knows this
         from its blocks (:func:`tdlm.decoding.loop.window_front`): columns are in position order and a row's
         masked positions are its active block's and everything after it, so the block's columns come first once
         the revealed positions before it have been compacted away. A window step then attends over a narrow
         view of the storage, ``kv[:, :columns]``, instead of gathering its positions' columns: no copy of the
-        history per layer, and the temporal work scales with those columns, not the window's positions."""
+        history per layer, and the temporal work scales with those columns, not the window's positions.
+
+        ``aligned``: the loop also promises that front column w holds the position of window row s0 + w of a
+        dual window step (s0 = the backbone's logit shift - the model's alignment offset; the rows stand for the
+        block's positions in order), so a temporal layer reads the rows as a slice of h and corrects them in
+        place (no gather, no scatter-add); the loop then passes at most the window's rows from s0."""
+        self.front_aligned = False
         if columns is None or self.cols is None or not self.layers:
             self.front = None
             return
+        self.front_aligned = aligned
         self.front = self.cols[:, : max(1, min(columns, self.width))]
         torch._dynamo.maybe_mark_dynamic(self.front, 1)
 
@@ -373,6 +395,7 @@ class TemporalCache:
                 setattr(self, name, t.index_select(0, index.to(t.device)))
         self.batch_size = int(index.numel())
         self.front = None  # a promise about the old rows
+        self.front_aligned = False  # (the suffix holds row by row: it stays)
         if self.layers:
             self._slots_dynamic()
 

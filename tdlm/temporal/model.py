@@ -517,6 +517,13 @@ class TDLM(nn.Module):
         mcol = m.unsqueeze(-1)
         j = None if slots is None else slots[3]  # the window rows' storage columns
         w = None if not narrow else cols.shape[1]
+        # The loop's host promises (TemporalCache.claim_rows / set_front(aligned=True)): the columns are rows of h
+        # in order, so each temporal layer reads a slice of h and corrects it in place (no gather / scatter-add).
+        if narrow:
+            in_order = cache.front_aligned and g.kv.cache.mode == "dual"
+        else:
+            in_order = slots is None and pos is not None and cache.suffix
+        shift = self.backbone.logit_shift - self.offset  # window row of the front's column 0 (in_order, narrow)
         allowed = None  # (b, W or w or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
         biases = None  # (L_t, b, ..., 1 + C): every temporal layer's additive mask, built once per evaluation
         if self.policy.kind != "current" and cache.valid is not None:
@@ -530,7 +537,11 @@ class TDLM(nn.Module):
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
             if mod is None:
                 return h
-            if slots is None:
+            if in_order:  # the columns' rows, a slice: the window's rows from `shift`, or the last W response rows
+                a, b = (shift, shift + pos.shape[1]) if narrow else self._slice(h, prompt_len)
+                a = a if narrow else b - pos.shape[1]
+                hr = h[:, a:b]  # (b, w or W, d), a view
+            elif slots is None:
                 a, b = (0, h.shape[1]) if narrow else self._slice(h, prompt_len)
                 hr = h[:, a:b]  # (b, N, d), or the window (b, W_win, d)
                 if pos is not None:  # at the storage columns' positions, (b, W or w, d)
@@ -553,7 +564,7 @@ class TDLM(nn.Module):
                 pending.setdefault(layer, []).append((g.rows, target, kv, m))
                 if z is None:
                     return h
-            if pos is not None:  # Eq. 10 + Eq. 2 added at the columns' positions (z = 0 where m = 0)
+            if pos is not None and not in_order:  # Eq. 10 + Eq. 2 added at the columns' positions (z = 0 where m = 0)
                 return mod.correct_at(h, a, b, z, pos)
             return mod.correct(h, a, b, z, None, hr)  # Eq. 10 + Eq. 2 (z = 0 where m = 0), in place without autograd
 
