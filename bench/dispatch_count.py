@@ -216,18 +216,7 @@ def compiled_counts(name: str, prompt: int, gen: int, warm: int, width: int, sav
     from torch._inductor.utils import run_and_get_code
 
     family, config, cfg_path = MODELS[name]
-    small = dict(config)
-    heads = 4
-    if family == "llada":
-        small.update(d_model=width, n_heads=heads, n_kv_heads=heads, mlp_hidden_size=2 * width, vocab_size=256,
-                     embedding_size=256, mask_token_id=255, eos_token_id=1, pad_token_id=1)  # fmt: skip
-    else:
-        small.update(hidden_size=width, num_attention_heads=heads, num_key_value_heads=2,
-                     intermediate_size=2 * width, vocab_size=256, mask_token_id=255, eos_token_id=1,
-                     pad_token_id=1)  # fmt: skip
-    temporal = paper_temporal(cfg_path)
-    temporal.heads, temporal.head_dim = 2, 16
-    model = build(family, small, temporal, "cpu", torch.float32)
+    model = build(family, _small(family, config, width), _small_temporal(cfg_path), "cpu", torch.float32)
     bb = model.backbone
     ids = canvas(model, prompt, gen, warm, "cpu")
     torch._dynamo.reset()
@@ -264,6 +253,64 @@ def compiled_counts(name: str, prompt: int, gen: int, warm: int, width: int, sav
         "tdlm_kernels_by_kind": dict(k_t.most_common()),
         "compile_s": {"backbone": round(t_bb, 1), "tdlm": round(t_t, 1)},
     }
+
+
+def compiled_loop_counts(name: str, prompt: int, gen: int, block: int, width: int, cache: str = "dual",
+                         in_order: bool = True) -> dict:  # fmt: skip
+    """Kernels of the decode loop's own compiled graphs (``tdlm.decode(..., cache=cache, compile=True)``: inductor's
+    step as the loop runs it, the written-out temporal attention included), batch 1, true depth and allocation at
+    ``width``, backbone (threshold) and TDLM, in compile order: the first graph is an uncached evaluation or a
+    block's refresh, the second (cached) its window step. ``in_order=False`` withdraws the loop's promise that the
+    history's columns are the rows in order (TemporalCache.claim_rows / set_front(aligned=True)), so the temporal
+    layers gather their rows and scatter-add the correction as with several rows."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tdlm.temporal.history import TemporalCache
+
+    family, config, cfg_path = MODELS[name]
+    model = build(family, _small(family, config, width), _small_temporal(cfg_path), "cpu", torch.float32)
+    bb = model.backbone
+    ids = [7 + i % 50 for i in range(prompt)]
+    kw = dict(cache=cache, gen_length=gen, block_size=block, threshold=0.9, compile=True)
+    out: dict = {"width": width, "cache": cache, "in_order": in_order, "temporal_layers": len(model.layer_ids)}
+    claim, set_front = TemporalCache.claim_rows, TemporalCache.set_front
+    try:
+        if not in_order:
+            TemporalCache.claim_rows = lambda self, suffix: None
+            TemporalCache.set_front = lambda self, columns, aligned=False: set_front(self, columns)
+        for policy, target in (("backbone", bb), ("tdlm", model)):
+            torch._dynamo.reset()
+            with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+                res, code = run_and_get_code(lambda t=target, p=policy: tdlm.decode(
+                    t, [ids], policy="threshold" if p == "backbone" else "tdlm", **kw))
+            counts = [sum(kernels_in(c).values()) for c in code]
+            out[policy] = {"graphs": counts, "refresh": counts[0], "window": counts[1] if len(counts) > 1 else None,
+                           "nfe": res[0].nfe}  # fmt: skip
+    finally:
+        TemporalCache.claim_rows, TemporalCache.set_front = claim, set_front
+    n_l = out["temporal_layers"]
+    for kind in ("refresh", "window"):
+        if out["tdlm"][kind] is not None and out["backbone"][kind] is not None:
+            out[f"{kind}_kernels_per_temporal_layer"] = round((out["tdlm"][kind] - out["backbone"][kind]) / n_l, 2)
+    return out
+
+
+def _small(family: str, config: dict, width: int) -> dict:
+    small, heads = dict(config), 4
+    if family == "llada":
+        small.update(d_model=width, n_heads=heads, n_kv_heads=heads, mlp_hidden_size=2 * width, vocab_size=256,
+                     embedding_size=256, mask_token_id=255, eos_token_id=1, pad_token_id=1)  # fmt: skip
+    else:
+        small.update(hidden_size=width, num_attention_heads=heads, num_key_value_heads=2,
+                     intermediate_size=2 * width, vocab_size=256, mask_token_id=255, eos_token_id=1,
+                     pad_token_id=1)  # fmt: skip
+    return small
+
+
+def _small_temporal(cfg_path: str) -> tdlm.TemporalConfig:
+    temporal = paper_temporal(cfg_path)
+    temporal.heads, temporal.head_dim = 2, 16
+    return temporal
 
 
 @contextlib.contextmanager
@@ -307,6 +354,9 @@ def main() -> None:
     ap.add_argument("--compiled-models", default=",".join(MODELS),
                     help="comma list of models whose compiled graph is counted (the others are carried over from "
                          "--before when given)")
+    ap.add_argument("--loop", action="store_true",
+                    help="also count the decode loop's own compiled graphs (compiled_loop): uncached, and the dual "
+                         "cache's refresh and window with and without the loop's rows-in-order promise")
     ap.add_argument("--backbone-addmm", action="store_true",
                     help="also count LLaDA compiled with the backbone's attention output as one addmm (what-if)")
     args = ap.parse_args()
@@ -351,6 +401,21 @@ def main() -> None:
             print(f"{'llada-8b':10} {r['backbone_kernels_per_nfe']:9d} {r['tdlm_kernels_per_nfe']:7d} "
                   f"{r['tdlm_over_backbone']:6.3f} {r['graphs']['tdlm']:7d}  (what-if: backbone attention output "
                   f"as addmm)")
+        if args.loop:
+            result["compiled_loop"] = {}
+            print(f"\ncompiled graphs of the decode loop (batch 1, width {args.width}): kernels backbone / tdlm "
+                  f"(per temporal layer)")
+            for name in args.compiled_models.split(","):
+                result["compiled_loop"][name] = {}
+                for cache, in_order in (("none", False), ("prefix", False), ("dual", True), ("dual", False)):
+                    r = compiled_loop_counts(name, args.compiled_prompt, args.compiled_gen, 8, args.width, cache,
+                                             in_order)  # fmt: skip
+                    key = cache if cache != "dual" else f"dual {'rows in order' if in_order else 'gathered'}"
+                    result["compiled_loop"][name][key] = r
+                    print(f"{name:10} {key:22s} first graph "
+                          f"{r['backbone']['refresh']} / {r['tdlm']['refresh']} "
+                          f"({r.get('refresh_kernels_per_temporal_layer')}), window {r['backbone']['window']} / "
+                          f"{r['tdlm']['window']} ({r.get('window_kernels_per_temporal_layer')})", flush=True)
         for name, r in result["compiled"].items():
             print(f"{name}: {r['kernels_per_temporal_layer']} kernels per temporal layer (target <= 3)")
     e = result["eager"]

@@ -36,8 +36,9 @@ What is modelled rather than traced, and why:
 * **Roofline.** Per op: max(FLOPs / peak, bytes / bandwidth). "eager" counts every op's bytes and every op as a
   launch; "fused" drops the bytes of pointwise ops (a compiler folds them into a neighbour), a lower bound for the
   compiled graph. The launch term is kernels per NFE of the compiled graph (``bench/results/dispatch_count.json``:
-  inductor's generated ``call()`` at width 64, uncached; other step kinds scaled by a fusion-aware count of their
-  ops) times ``--launch-us`` (5 µs, stated); about 0 with CUDA graphs (``compile="reduce-overhead"``). It is
+  inductor's generated ``call()`` of the decode loop's own graphs at width 64 and true depth, per step kind; a kind
+  not counted there is scaled from the uncached count by a fusion-aware count of its ops) times ``--launch-us``
+  (5 µs, stated); about 0 with CUDA graphs (``compile="reduce-overhead"``). It is
   applied two ways: *added* to the roofline (the host serialised with the GPU: an upper bound), and *overlapped*
   (:func:`overlapped_ms`): CUDA launches are asynchronous, so the host issues the kernels one launch cost apart
   while the GPU runs them for their roofline times, and a launch costs time only where the host falls behind (the
@@ -709,9 +710,24 @@ KERNELS_JSON = ROOT / "bench" / "results" / "dispatch_count.json"
 
 
 def compiled_kernels(path: str | Path = KERNELS_JSON) -> dict:
-    """Kernels per uncached NFE of the compiled graph, measured by bench/dispatch_count.py (``compiled``)."""
-    raw = json.loads(Path(path).read_text())["compiled"]
-    return {m: {"backbone": v["backbone_kernels_per_nfe"], "tdlm": v["tdlm_kernels_per_nfe"]} for m, v in raw.items()}
+    """Kernels per NFE of compiled graphs, measured by bench/dispatch_count.py: ``backbone`` / ``tdlm`` of an
+    uncached ``forward_step`` (``compiled``), and ``loop``: the decode loop's own graphs (``compiled_loop``, from
+    ``--loop``), per cache setting the first graph (an uncached evaluation or a refresh) and the window step."""
+    raw = json.loads(Path(path).read_text())
+    out = {m: {"backbone": v["backbone_kernels_per_nfe"], "tdlm": v["tdlm_kernels_per_nfe"]}
+           for m, v in raw["compiled"].items()}  # fmt: skip
+    for m, settings in raw.get("compiled_loop", {}).items():
+        out.setdefault(m, {})["loop"] = {key: {who: {"eval": r[who]["refresh"], "window": r[who]["window"]}
+                                               for who in ("backbone", "tdlm")} for key, r in settings.items()}
+    return out
+
+
+def launches(ref: dict, who: str, cache: str, kind: str, batch: int = 1) -> int | None:
+    """Kernels of the decode loop's own compiled graph of this step (``who`` backbone / tdlm, ``kind`` eval /
+    window), None where bench/dispatch_count.py did not count it. A dual window of one row reads its history's rows
+    in order (the loop's promise); several rows gather them."""
+    key = cache if cache != "dual" else ("dual rows in order" if batch == 1 else "dual gathered")
+    return ref.get("loop", {}).get(key, {}).get(who, {}).get(kind)
 
 
 def step_ms(step: dict, gpu: str, kernels: float, launch_us: float) -> dict:
@@ -739,19 +755,22 @@ def per_nfe(rows: list[dict], ref_kernels: dict, launch_us: float, evals_per_blo
     """ms per NFE of each (policy/history, cache) on each GPU, averaged over the traced first and last blocks: an
     uncached evaluation, or a block's refresh plus ``evals_per_block - 1`` window steps.
 
-    Launches: the kernels inductor generated for an uncached NFE of the backbone / TDLM (``ref_kernels``,
-    bench/dispatch_count.py, measured on the step as it is now: 5 kernels per temporal layer plus the history write
-    and the tables once per NFE), scaled for other step kinds by their fusion-aware estimate
-    (``kernels_fused_est``) over the uncached one."""
+    Launches: the kernels inductor generated for this step in the decode loop's own graph (``ref_kernels["loop"]``,
+    bench/dispatch_count.py --loop: :func:`launches`); where a step kind was not counted, the uncached NFE's count
+    (``ref_kernels``) scaled by the step's fusion-aware estimate (``kernels_fused_est``) over the uncached one."""
     out: dict = {}
     base = {r["label"]: r["eval"]["kernels_fused_est"] for r in rows if r["cache"] == "none"}
     for r in rows:
         key = (r["label"], r["cache"])
-        scale = ref_kernels["tdlm" if r["policy"] == "tdlm" else "backbone"] / base[r["label"]]
+        who = "tdlm" if r["policy"] == "tdlm" else "backbone"
+        scale = ref_kernels[who] / base[r["label"]]
+        n_e = launches(ref_kernels, who, r["cache"], "eval", r["batch"]) or r["eval"]["kernels_fused_est"] * scale
+        n_w = "window" in r and (launches(ref_kernels, who, r["cache"], "window", r["batch"])
+                                 or r["window"]["kernels_fused_est"] * scale)  # fmt: skip
         for gpu in GPUS:
-            e = step_ms(r["eval"], gpu, r["eval"]["kernels_fused_est"] * scale, launch_us)
+            e = step_ms(r["eval"], gpu, n_e, launch_us)
             if "window" in r:
-                w = step_ms(r["window"], gpu, r["window"]["kernels_fused_est"] * scale, launch_us)
+                w = step_ms(r["window"], gpu, n_w, launch_us)
                 avg = {k: (e[k] + (evals_per_block - 1) * w[k]) / evals_per_block for k in e}
             else:
                 avg = dict(e)
@@ -852,7 +871,7 @@ def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launc
             row = {"model": name, "batch": batch, "cache": cache}
             for policy in ("threshold", "tdlm"):
                 kind = "tdlm" if policy == "tdlm" else "backbone"
-                scale = ref_kernels[kind] / base[kind]  # as in per_nfe
+                scale = ref_kernels[kind] / base[kind]  # as in per_nfe, where the loop's graph was not counted
                 steps = []
                 for blk in range(GPU_CHECK["gen"] // bs):
                     r = trace_decode(model, mode, "tdlm" if policy == "tdlm" else "backbone", cache, blk, batch,
@@ -863,9 +882,13 @@ def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launc
                                        ("cuda_graphs", "graphs")):
                     per = []
                     for r in steps:
-                        e = step_ms(r["eval"], "h200", r["eval"]["kernels_fused_est"] * scale, launch_us)[key]
+                        n_e = (launches(ref_kernels, kind, cache, "eval", batch)
+                               or r["eval"]["kernels_fused_est"] * scale)  # fmt: skip
+                        e = step_ms(r["eval"], "h200", n_e, launch_us)[key]
                         if "window" in r:
-                            w = step_ms(r["window"], "h200", r["window"]["kernels_fused_est"] * scale, launch_us)[key]
+                            n_w = (launches(ref_kernels, kind, cache, "window", batch)
+                                   or r["window"]["kernels_fused_est"] * scale)  # fmt: skip
+                            w = step_ms(r["window"], "h200", n_w, launch_us)[key]
                             e = (e + (bs - 1) * w) / bs
                         per.append(e)
                     pred[mode_name] = sum(per) / len(per)
