@@ -457,10 +457,16 @@ def test_window_steps_over_the_history_front_equal_the_gathered_columns(name, mo
     with torch.no_grad():
         off = decode(model, PROMPTS, **kw)
     assert len(fronts) >= 3 and (mode == "prefix" or min(fronts) < 32), fronts
+    _same_decode(on, off, runs["front"], runs["gather"])
+
+
+def _same_decode(on, off, logits_on: list, logits_off: list) -> None:
+    """Two decodes of the same requests agree: tokens, NFE and reveal steps, and every evaluation's logits (fp32,
+    1e-5)."""
     assert [r.tokens for r in on] == [r.tokens for r in off]
     assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
-    assert len(runs["front"]) == len(runs["gather"])
-    for a, b in zip(runs["front"], runs["gather"], strict=True):
+    assert len(logits_on) == len(logits_off)
+    for a, b in zip(logits_on, logits_off, strict=True):
         for x, y in zip(a, b, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
@@ -508,9 +514,4 @@ def test_a_single_row_under_the_dual_cache_reads_its_history_rows_as_a_slice(nam
         off = decode(model, [PROMPTS[0]], **kw)
     assert on[0].nfe > 3 * 2, "too few evaluations: the test needs window steps in every block"
     assert scattered["slice"] == 0 and scattered["gather"] > 0, scattered
-    assert [r.tokens for r in on] == [r.tokens for r in off]
-    assert [r.nfe for r in on] == [r.nfe for r in off] and [r.reveal_step for r in on] == [r.reveal_step for r in off]
-    assert len(runs["slice"]) == len(runs["gather"])
-    for a, b in zip(runs["slice"], runs["gather"], strict=True):
-        for x, y in zip(a, b, strict=True):
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    _same_decode(on, off, runs["slice"], runs["gather"])
