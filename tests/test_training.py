@@ -337,7 +337,7 @@ def test_launcher_prints_one_line_error(tmp_path):
     env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, str(REPO / "launcher" / "train.py"), "--ds",
                            str(REPO / "ds_configs" / "zero3.json"), "--config", str(REPO / "configs" / "tiny.yaml"),
-                           f"data.trajectories={tmp_path / 'nope'}", *TINY_LLADA],
+                           f"data.trajectories={tmp_path / 'nope'}", f"output_dir={tmp_path / 'run'}", *TINY_LLADA],
                           capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: data.trajectories:") and "Traceback" not in proc.stderr
