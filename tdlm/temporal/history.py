@@ -283,7 +283,8 @@ class TemporalCache:
         last W positions in order, which the decoding loop knows from its blocks (a single row under the dual cache).
         A full forward's temporal layer then reads its columns' hidden states as the slice h[:, b - W : b] of
         the response rows and adds Eq. 2 into that slice in place, where it would gather them and scatter-add the
-        correction back: two kernels fewer per temporal layer, the same values (the rows are the same)."""
+        correction back: two ops fewer per temporal layer and their traffic, the same values (the same rows).
+        Inductor on a CPU already fuses the two into neighbouring kernels (docs/decoding.md)."""
         self.suffix = bool(suffix) and self.cols is not None
 
     def set_front(self, columns: int | None, aligned: bool = False) -> None:

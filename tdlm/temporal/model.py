@@ -538,8 +538,8 @@ class TDLM(nn.Module):
             if mod is None:
                 return h
             if in_order:  # the columns' rows, a slice: the window's rows from `shift`, or the last W response rows
-                a, b = (shift, shift + pos.shape[1]) if narrow else self._slice(h, prompt_len)
-                a = a if narrow else b - pos.shape[1]
+                b = shift + pos.shape[1] if narrow else self._slice(h, prompt_len)[1]
+                a = b - pos.shape[1]
                 hr = h[:, a:b]  # (b, w or W, d), a view
             elif slots is None:
                 a, b = (0, h.shape[1]) if narrow else self._slice(h, prompt_len)
