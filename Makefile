@@ -4,7 +4,8 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# e.g. https://download.pytorch.org/whl/cu128 for CUDA wheels on aarch64 (GH200) nodes (see README)
+# Where torch comes from; empty: scripts/torch_install.sh chooses (the CPU wheel without a working nvidia-smi, else
+# https://download.pytorch.org/whl/cuXYZ by driver). Set it to choose yourself, e.g. .../whl/cu126 or .../whl/cpu.
 TORCH_INDEX_URL ?=
 
 .PHONY: test demo lint venv bubblewrap multinode-tools clean bench
@@ -12,15 +13,10 @@ TORCH_INDEX_URL ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# Without CUDA, torch must come from the pinned CPU wheel *before* anything depends on it;
-	# an unpinned resolve would pull a multi-GB CUDA build.
-	if [ -n "$(TORCH_INDEX_URL)" ]; then \
-	    $(BIN)/python -m pip install -q torch --index-url $(TORCH_INDEX_URL); \
-	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-	    $(BIN)/python -m pip install -q torch; \
-	else \
-	    $(BIN)/python -m pip install -q torch==2.13.0; \
-	fi
+	# torch==2.13.0 (the release the suite runs) *before* anything depends on it: without a working nvidia-smi the
+	# CPU wheel as configured; with one, the CUDA build the driver can run, then a check that CUDA works.
+	# The script prints what it chose and why (TORCH_INDEX_URL overrides the index).
+	TORCH_INDEX_URL='$(TORCH_INDEX_URL)' bash scripts/torch_install.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

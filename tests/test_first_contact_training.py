@@ -183,7 +183,7 @@ AGREE = """
 import os, signal, time, types
 import torch, torch.distributed as dist
 from tdlm.training.config import RunConfig
-from tdlm.training.loop import agree_to_stop
+from tdlm.training.distributed import agree_to_stop
 from tdlm.training.run_dir import STOP
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)

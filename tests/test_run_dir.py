@@ -144,7 +144,8 @@ class _Engine:
 def _rank(rank: int, world: int, port: int, dirs: list[str], out: list) -> None:
     import torch.distributed as dist
 
-    from tdlm.training.loop import Session, load_checkpoint
+    from tdlm.training.checkpoint import load_checkpoint
+    from tdlm.training.session import Session
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

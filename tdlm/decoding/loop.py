@@ -37,9 +37,11 @@ block's positions at a ``dual`` step.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -206,6 +208,23 @@ _COMPILED: dict = {}
 RECOMPILE_LIMIT = 64
 
 
+def triton_build_needs() -> str | None:
+    """What triton's runtime lacks to build its launcher stub (a small C file that includes Python.h, compiled on
+    the first kernel of a process; triton/runtime/build.py), or None. Its lookup: ``$CC``, else gcc, else clang on
+    PATH. Without them the first compiled decode would fail deep inside triton, not with one line from tdlm."""
+    import shutil
+    import sysconfig
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if not cc or not shutil.which(cc):
+        return "finds none ($CC unset or not found, no gcc or clang on PATH): install gcc or set CC"
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.exists():
+        return (f"this Python's headers are missing ({header}): install the python3-dev (Debian) or python3-devel "
+                f"package of this Python")
+    return None
+
+
 def check_compile(value, device: torch.device | str | None = None) -> tuple[str, str | None] | None:
     """The (backend, mode) of ``compile=value`` (None: eager), checked against this torch and ``device``.
 
@@ -238,6 +257,10 @@ def check_compile(value, device: torch.device | str | None = None) -> tuple[str,
             if not has_triton():
                 raise TDLMError(f"compile={value!r}: inductor needs triton for {device}, which this torch lacks; "
                                 f"install triton or use compile=False")  # fmt: skip
+            missing = triton_build_needs()
+            if missing:
+                raise TDLMError(f"compile={value!r}: triton builds its kernel launcher with a C compiler at the first "
+                                f"kernel and {missing}; use compile=False until it is there")  # fmt: skip
         elif device.type == "cpu":
             try:
                 from torch._inductor.cpp_builder import get_cpp_compiler

@@ -2,7 +2,10 @@
 
 * :mod:`.config` - the run config (typed dataclasses; ``configs/*.yaml`` only set values)
 * :mod:`.ds_config` - DeepSpeed JSON resolution against the run config
-* :mod:`.loop` - set-up, the Eq. 5 step, checkpoints, adapter export (``launcher/train.py`` drives it)
+* :mod:`.loop` - set-up, the Eq. 5 step, adapter export (``launcher/train.py`` drives it)
+* :mod:`.distributed` - the process group under NCCL's rules: device binding, stop agreement, a lost peer
+* :mod:`.checkpoint` - checkpoints every rank writes together, verified, rotated
+* :mod:`.session` - what one rank holds while it runs
 * :mod:`.planner` - peak-memory model, its CPU measurement and ``python -m tdlm.training.planner``
 """
 
@@ -14,10 +17,10 @@ from tdlm.errors import lazy_exports
 _EXPORTS: dict[str, str] = {
     "RunConfig": "tdlm.training.config",
     "export_adapter": "tdlm.training.loop",
-    "load_checkpoint": "tdlm.training.loop",
+    "load_checkpoint": "tdlm.training.checkpoint",
     "lr_lambda": "tdlm.training.loop",
     "preflight": "tdlm.training.loop",
-    "save_checkpoint": "tdlm.training.loop",
+    "save_checkpoint": "tdlm.training.checkpoint",
     "setup": "tdlm.training.loop",
     "temporal_config": "tdlm.training.loop",
     "train": "tdlm.training.loop",

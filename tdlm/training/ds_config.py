@@ -94,8 +94,13 @@ def resolve_ds_config(raw: dict, run: RunConfig, world_size: int, on_gpu: bool, 
         if have != "auto" and have != value:
             raise TDLMError(f"{where}: optimizer.params.{key}={have} contradicts the run config ({value})")
         params[key] = value
-    if not on_gpu:
-        # The fused CUDA Adam cannot run here and its CPU JIT build costs a minute: use torch's AdamW.
+    # torch's AdamW unless the DS JSON asks for DeepSpeed's FusedAdam ("torch_adam": false, GPU only). FusedAdam is
+    # JIT-built with nvcc at the first launch on every fresh node: it needs a CUDA toolkit whose major version matches
+    # torch's, and ninja, and every rank waits on the build lock meanwhile. The optimizer steps a few tens of millions
+    # of adapter parameters per rank, where fusing buys nothing measurable. On the CPU the fused op cannot run at all.
+    # An offloaded optimizer keeps DeepSpeedCPUAdam (torch_adam would replace it), whose build is announced.
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if not on_gpu or ("torch_adam" not in params and str(offload).lower() not in ("cpu", "nvme")):
         params["torch_adam"] = True
     bf16 = cfg.setdefault("bf16", {"enabled": "auto"})
     if bf16.get("enabled", "auto") not in ("auto", True, False):

@@ -19,15 +19,12 @@ The recipe, as numbered steps (each a function below):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,12 +44,20 @@ from tdlm.tracking import (
     start_detached_service,
     wandb_mode,
 )
+from tdlm.training.checkpoint import load_checkpoint, save_checkpoint, stop_at_boundary
 from tdlm.training.config import RunConfig
+from tdlm.training.distributed import (
+    START_TIMEOUT_S,
+    agree_to_stop,
+    broadcast_launch_id,
+    is_peer_failure,
+    peer_lost,
+    set_collective_timeout,
+    start_process_group,
+)
 from tdlm.training.ds_config import prepare_jit_ops, resolve_ds_config, uses_activation_checkpointing
 from tdlm.training.run_dir import (
     CHECKPOINT_DIR,
-    EXIT_NO_SPACE,
-    EXIT_PEER_LOST,
     ROLL,
     STOP,
     RollCall,
@@ -63,15 +68,10 @@ from tdlm.training.run_dir import (
     finished_step,
     keep_old_config,
     launcher_ancestors,
-    newest_verified_tag,
-    rotate_checkpoints,
     signal_name,
     stop_verb,
-    tree_bytes,
-    verify_checksums,
-    write_checksums,
-    write_latest,
 )
+from tdlm.training.session import Session
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -97,28 +97,6 @@ def supervised_ce(model, batch) -> torch.Tensor:
     ce_sum, _ = trajectory_loss(logits, batch.labels[select])  # logits (S, V)
     return ce_sum
 
-
-@dataclass
-class Session:
-    run: RunConfig
-    ds_config: dict
-    engine: object
-    model: TDLM
-    stream: TrajectoryStream
-    device: torch.device
-    rank: int
-    world: int
-    tracker: NullTracker
-    start_step: int = 0
-    lock: RunLock | None = None
-    allow_recipe_change: bool = False
-    # Counted before deepspeed.initialize: under ZeRO-3 a partitioned parameter's numel() is 0 afterwards (the W&B
-    # config once recorded temporal_parameters 0 for a 98,307-parameter adapter).
-    temporal_parameters: int = 0
-    saved_step: int | None = None  # the newest checkpoint on disk (no second save of the same step)
-    saved_at: float = 0.0  # time.monotonic() of that save (train.save_every_minutes)
-    roll: RollCall | None = None  # who is who, to name a lost rank (run_dir.RollCall)
-    step: int = 0  # updates done so far in this launch's loop (named when a peer is lost)
 
 
 def _dtype(run: RunConfig, on_gpu: bool) -> torch.dtype:
@@ -278,7 +256,6 @@ def frozen_fingerprint(model: TDLM) -> str:
 def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run config",
           ds_source: str = "ds config", allow_recipe_change: bool = False, lock: RunLock | None = None) -> Session:
     import deepspeed
-    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
     from tdlm.models.loading import load_backbone, load_backbone_partitioned
@@ -302,20 +279,13 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
                       f"saved; " + ("resume with --resume" if resume else "run the same command again"), None)
     # Start-up (imports, rank 0's prompt check, loading) differs between ranks by minutes on a loaded node: the
     # short train.dist_timeout_s applies from the first update on (set_collective_timeout), not to these waits.
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), verbose=False,
-                               timeout=datetime.timedelta(seconds=max(run.train.dist_timeout_s, START_TIMEOUT_S)))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # Each rank is bound to its own GPU before its first collective (tdlm.training.distributed).
+    rank, world, device = start_process_group(acc, max(run.train.dist_timeout_s, START_TIMEOUT_S))
     # Who is who, so that a rank left alone after a collective failed can name the one that is gone (RollCall);
     # rank 0 first clears the records of earlier launches.
     if rank == 0:
         shutil.rmtree(Path(run.output_dir) / ROLL, ignore_errors=True)
-    launch_id = [f"{int(time.time())}-{os.getpid()}"]
-    dist.broadcast_object_list(launch_id, src=0)
-    roll = RollCall(run.output_dir, launch_id[0], rank, world)
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(acc.device_name(local_rank)) if on_gpu else torch.device("cpu")
-    if on_gpu:
-        acc.set_device(local_rank)
+    roll = RollCall(run.output_dir, broadcast_launch_id(device), rank, world)
     torch.manual_seed(run.train.seed)
     ds_cfg = resolve_ds_config(ds_raw, run, world, on_gpu, where=ds_source)
     dtype = _dtype(run, on_gpu)
@@ -379,220 +349,6 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
             print(f"resuming from step {sess.start_step} ({out / CHECKPOINT_DIR / f'step-{sess.start_step}'}{wb})",
                   flush=True)
     return sess
-
-
-# -- checkpoints -----------------------------------------------------------------------------------
-class _WriteGuard:
-    """Catches this rank's file-write failures inside ``engine.save_checkpoint`` (torch.save, the recovery-script
-    copy) so that DeepSpeed's own collectives in it still run in step on every rank; after the first failure nothing
-    more is written. The ranks then agree on the outcome (:func:`save_checkpoint`)."""
-
-    def __init__(self, engine) -> None:
-        self.targets = [(engine.checkpoint_engine, "save", 1), (engine, "_copy_recovery_script", 0)]
-        self.error: BaseException | None = None
-        self.path: str | None = None
-        self._saved: list = []
-
-    def _wrap(self, fn, path_arg: int):
-        def guarded(*args, **kwargs):
-            if self.error is not None:
-                return None
-            try:
-                return fn(*args, **kwargs)
-            except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError (no errno)
-                self.error = e
-                self.path = str(kwargs.get("path", kwargs.get("save_path",
-                                args[path_arg] if len(args) > path_arg else "?")))
-                return None
-        return guarded
-
-    def __enter__(self) -> _WriteGuard:
-        for obj, name, path_arg in self.targets:
-            self._saved.append((obj, name, name in vars(obj), getattr(obj, name)))
-            setattr(obj, name, self._wrap(getattr(obj, name), path_arg))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for obj, name, own, fn in self._saved:
-            if own:
-                setattr(obj, name, fn)
-            else:
-                delattr(obj, name)
-
-
-def first_line(e: BaseException, limit: int = 160) -> str:
-    """``Type: message`` of an exception on one line, without C++ source-location prefixes (gloo, torch.save)."""
-    text = re.sub(r"\[(enforce fail at )?[^\]]*\.(cc|cpp|hpp|h):\d+\] ?\.? ?", "", str(e).strip())
-    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
-
-
-def _disk_full(errors: list, ckpt: Path, needed: int) -> bool:
-    """ENOSPC / EDQUOT, or (torch.save gives no errno) less room left than a checkpoint needs."""
-    import errno
-    import shutil
-
-    if any(e and e.get("errno") in (errno.ENOSPC, errno.EDQUOT) for e in errors):
-        return True
-    try:
-        return shutil.disk_usage(ckpt).free < max(needed, 1)
-    except OSError:
-        return False
-
-
-def save_checkpoint(sess: Session, step: int) -> None:
-    """DeepSpeed checkpoint of the temporal modules + optimizer, with the data position (= step), then
-    SHA256SUMS.json over all its files once every rank has written its part (collective); rank 0 then verifies it,
-    points ``latest`` at it, and only then deletes the checkpoints beyond ``train.keep_last``.
-
-    A write that fails on any rank (a full disk) fails the checkpoint on every rank together: rank 0 removes the
-    partial folder (it never had checksums, so no resume would have taken it), ``latest`` and every older checkpoint
-    stay as they were, and every rank raises :class:`RunAborted` with one line naming the folder."""
-    import shutil
-
-    import torch.distributed as dist
-
-    ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
-    tag = f"step-{step}"
-    with _WriteGuard(sess.engine) as guard:
-        # save_latest=False: DeepSpeed would name the tag in `latest` before anyone verified it
-        sess.engine.save_checkpoint(str(ckpt), tag=tag, exclude_frozen_parameters=True, save_latest=False,
-                                    client_state={"step": step, "config": to_dict(sess.run)})
-    mine = None
-    if guard.error is not None:
-        mine = {"rank": sess.rank, "path": guard.path, "errno": getattr(guard.error, "errno", None),
-                "error": first_line(guard.error)}
-    errors: list = [None] * sess.world
-    dist.all_gather_object(errors, mine)  # also the barrier: every rank's files are written (or failed) now
-    outcome: list = [None]
-    if sess.rank == 0:
-        failed = [e for e in errors if e]
-        if not failed:
-            try:
-                write_checksums(ckpt / tag)
-                verify_checksums(ckpt / tag)
-                write_latest(ckpt, tag)
-            except (OSError, TDLMError) as e:
-                failed = [{"rank": 0, "path": str(ckpt / tag), "errno": getattr(e, "errno", None),
-                           "error": first_line(e)}]
-        if failed:
-            previous = ckpt / f"step-{sess.saved_step}" if sess.saved_step is not None else None
-            needed = tree_bytes(previous) if previous is not None else tree_bytes(ckpt / tag)
-            full = _disk_full(failed, ckpt, needed)
-            shutil.rmtree(ckpt / tag, ignore_errors=True)  # frees the space; it was never verified nor `latest`
-            first = failed[0]
-            why = "the disk is full" if full else "a write failed"
-            kept = (f"the previous checkpoint {previous.name} is intact (verified)" if previous is not None
-                    else "there is no earlier checkpoint (rerun from the start)")
-            outcome[0] = (f"{ckpt}: {why} while saving checkpoint {tag} (rank {first['rank']}: {first['error']}; "
-                          f"{first['path']}); removed the partial {tag}; {kept}; free space or move the run folder "
-                          f"to a bigger disk, then " + ("resume with --resume" if previous is not None else
-                                                        "run the same command again"))
-        else:
-            rotate_checkpoints(ckpt, tag, sess.run.train.keep_last)
-    dist.broadcast_object_list(outcome, src=0)  # no rank goes on (or exits) before rank 0 settled the folder
-    if outcome[0]:
-        raise RunAborted(outcome[0], EXIT_NO_SPACE)
-    sess.saved_step, sess.saved_at = step, time.monotonic()
-
-
-def load_checkpoint(sess: Session) -> int:
-    """Load the newest checkpoint whose files match their checksums; rank 0 picks the tag and every rank
-    loads that one (broadcast), so ranks never resume from different steps."""
-    import torch.distributed as dist
-
-    ckpt = Path(sess.run.output_dir) / CHECKPOINT_DIR
-    choice: list = [None, None]  # tag, error
-    if sess.rank == 0:
-        try:
-            choice[0] = newest_verified_tag(ckpt)
-        except TDLMError as e:
-            choice[1] = str(e)
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1]:
-        raise TDLMError(choice[1])
-    path, client = sess.engine.load_checkpoint(str(ckpt), tag=choice[0], load_module_strict=False)
-    if path is None:
-        raise TDLMError(f"--resume: DeepSpeed could not load checkpoint {choice[0]} in {ckpt}")
-    saved = client.get("config", {})
-    if not sess.allow_recipe_change:
-        for section in ("model", "data"):
-            if saved.get(section) != to_dict(sess.run)[section]:
-                raise TDLMError(f"--resume: run config section '{section}' differs from the checkpoint's "
-                                f"({ckpt / choice[0]}); resume with the same model and data settings")
-    return int(client["step"])
-
-
-# -- stopping at the update boundary ---------------------------------------------------------------
-def agree_to_stop(sess: Session) -> tuple[int, bool]:
-    """One all-reduce (MAX) between updates: the stop signal any rank received (0 = none) and whether rank 0's clock
-    says a timed checkpoint is due (``train.save_every_minutes``). Each rank decides from the same result, so none
-    stops, checkpoints or waits alone."""
-    import torch.distributed as dist
-
-    minutes = sess.run.train.save_every_minutes
-    due = sess.rank == 0 and minutes > 0 and time.monotonic() - sess.saved_at >= minutes * 60
-    flags = torch.tensor([float(STOP.signum or 0), float(due)], device=sess.device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return int(flags[0].item()), bool(flags[1].item())
-
-
-def stop_at_boundary(sess: Session, step: int, signum: int, bar=None) -> None:
-    """Every rank: checkpoint ``step`` (unless it is the one on disk), record the exit in W&B (rank 0), then raise
-    :class:`Stopped` with the one line rank 0 prints (launcher/train.py exits with EXIT_PREEMPTED)."""
-    import torch.distributed as dist
-
-    if sess.saved_step != step:
-        save_checkpoint(sess, step)
-    if bar is not None:
-        bar.close()
-    verb, name = stop_verb(signum), signal_name(signum)
-    tag_dir = Path(sess.run.output_dir) / CHECKPOINT_DIR / f"step-{step}"
-    if sess.rank == 0:
-        sess.tracker.stop(step, verb, name)
-    dist.barrier()  # no rank exits (and has its launcher terminate rank 0) while rank 0 still closes the W&B run
-    raise Stopped(f"{verb} at step {step} ({name}; checkpoint {tag_dir}); resume with --resume", step)
-
-
-START_TIMEOUT_S = 600.0  # the process-group timeout until the first update (the ranks meet, load, build engines)
-
-
-def set_collective_timeout(seconds: float) -> None:
-    """Every rank at the first update: from here a collective waits at most ``train.dist_timeout_s`` for a silent
-    peer. (torch's own default is 30 minutes; the start-up phase keeps START_TIMEOUT_S.)"""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
-
-    dist.barrier()  # under the start-up timeout: no rank is still loading when the short one applies
-    if hasattr(distributed_c10d, "_set_pg_timeout"):  # torch >= 2.2; otherwise START_TIMEOUT_S stays
-        distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
-
-
-# -- a lost peer ------------------------------------------------------------------------------------
-PEER_FAILURE_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
-                      "timed out", "gloo", "NCCL", "ProcessGroup", "Socket")
-
-
-def is_peer_failure(e: BaseException) -> bool:
-    """A collective that failed because another rank is gone or silent (gloo / NCCL / the c10d store)."""
-    import torch.distributed as dist
-
-    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError)
-                                             and any(k in str(e) for k in PEER_FAILURE_HINTS))
-
-
-def peer_lost(sess: Session, e: BaseException) -> RunAborted:
-    """The one line for a rank whose collective broke: which ranks are gone (:class:`RollCall`), during which
-    update, and what ``--resume`` will redo. The lowest surviving rank prints it."""
-    lost, alive = sess.roll.missing(wait_s=min(15.0, sess.run.train.dist_timeout_s))
-    who = ", ".join(sess.roll.describe(r) for r in lost) or "no rank (every rank answered the roll call)"
-    if sess.saved_step is not None:
-        redo = max(0, sess.step - sess.saved_step)
-        then = (f"the newest verified checkpoint is step-{sess.saved_step} ({redo} update{'s' * (redo != 1)} to "
-                f"redo); start every node's command again with --resume")
-    else:
-        then = "no checkpoint yet; start every node's command again (without --resume)"
-    return RunAborted(f"rank {sess.rank}: lost {who} during update {sess.step + 1} ({first_line(e)}); "
-                      f"{then}", EXIT_PEER_LOST, printer=min(alive))
 
 
 # -- the step --------------------------------------------------------------------------------------

@@ -236,8 +236,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 class StopRequest:
     """The first of SIGINT / SIGTERM / SIGUSR1 this rank received. The handler only records it: the training
-    loop asks every rank at each update boundary (:func:`tdlm.training.loop.agree_to_stop`, one all-reduce), so the
-    ranks stop after the same update, checkpoint together and exit, instead of one rank dying inside a gloo
+    loop asks every rank at each update boundary (:func:`tdlm.training.distributed.agree_to_stop`, one all-reduce),
+    so the ranks stop after the same update, checkpoint together and exit, instead of one rank dying inside a gloo
     collective and its peers hanging or tracing back."""
 
     def __init__(self) -> None:

@@ -1,0 +1,227 @@
+"""GPU-only behaviour of training, decoding and evaluation set-up, checked on this CPU under the GPU's rules
+(docs/gpu.md lists each behaviour beside its test, or says that nothing here can test it).
+
+* The launcher's real start-up (``tdlm.training.setup``) on a simulated 2-GPU node (tests/_gpu_world_rank.py): a
+  DeepSpeed accelerator that says CUDA, collectives that enforce NCCL's rules. It passes, and the defect it was
+  written for (the launch id broadcast before ``set_device``: every multi-GPU launch failed at start-up), planted
+  back into a copy of the source, fails on rank 1 with NCCL's message.
+* No DeepSpeed op is JIT-built at a GPU launch (FusedAdam needs nvcc matching torch's CUDA, and ninja).
+* NCCL's error handling is switched to raise in Python before the group exists; NCCL's errors read as a lost peer.
+* ``compile=True`` on CUDA checks what triton's runtime needs (a C compiler, Python's headers), in one line.
+* The paper-table evaluation configs decode compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tdlm.errors import TDLMError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _simulated_launch(tmp_path: Path, root: Path, world: int = 2, timeout: float = 240.0) -> dict[int, dict]:
+    """Start ``world`` ranks of tests/_gpu_world_rank.py (as deepspeed / torchrun would: RANK, LOCAL_RANK...) and
+    return each rank's record. A rank that fails leaves its peers waiting in a collective: they are stopped once
+    every rank that can finish has written its record."""
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
+
+    traj = tmp_path / "traj"
+    if not traj.exists():
+        ensure_toy_trajectories(traj, "tiny-arith", n=4)
+    out = tmp_path / f"out-{root.name}"
+    out.mkdir()
+    port = str(_free_port())
+    procs = []
+    for r in range(world):
+        env = os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE":
+                            str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                            "TDLM_ROOT": str(root), "WANDB_MODE": "disabled"}  # fmt: skip
+        env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+        env.pop("DS_ACCELERATOR", None)
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "_gpu_world_rank.py"), str(out),
+                                       str(tmp_path / f"run-{root.name}"), str(traj)], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            records = {r: out / f"rank{r}.json" for r in range(world)}
+            if all(p.exists() for p in records.values()):
+                break
+            failed = [json.loads(p.read_text()) for p in records.values() if p.exists()]
+            if any(rec["end"] != "reached the weights" for rec in failed):
+                time.sleep(2)  # the peers of a failed rank wait in a collective for ever: read what came, stop them
+                break
+            if all(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        logs = [p.communicate()[0] for p in procs]
+    got = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if (out / f"rank{r}.json").exists()}
+    assert got, "no rank wrote its record:\n" + "\n".join(log[-3000:] for log in logs)
+    return got
+
+
+def _order(events: list, name: str) -> int:
+    return next(i for i, e in enumerate(events) if e[0] == name)
+
+
+def test_two_rank_gpu_launch_binds_each_rank_before_its_first_collective(tmp_path):
+    recs = _simulated_launch(tmp_path, REPO)
+    assert sorted(recs) == [0, 1]
+    for r, rec in recs.items():
+        ev = rec["events"]
+        assert rec["end"] == "reached the weights", rec
+        assert ev[0] == ["set_device", r], ev  # bound before anything else
+        init = ev[_order(ev, "init_process_group")]
+        assert init == ["init_process_group", "nccl", f"cuda:{r}", "2"], init  # bound group, NCCL errors reach Python
+        assert ["broadcast_object_list", f"cuda:{r}"] in ev  # the launch id travels on the rank's own GPU
+        assert not [e for e in ev if e[0] == "jit_op"], ev  # no FusedAdam nvcc build at a GPU launch
+
+
+def test_the_start_up_defect_planted_back_fails_on_rank_1(tmp_path):
+    """The order before the fix: process group, launch id broadcast (no device given), *then* set_device. Rank 1's
+    broadcast stages on cuda:0 while its group is bound to cuda:1: NCCL's error, as on every multi-GPU node."""
+    copy = tmp_path / "planted"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "bench", "docs", "tests",
+                                                                "__pycache__", "*.egg-info"))  # fmt: skip
+    dist_py = copy / "tdlm" / "training" / "distributed.py"
+    src = dist_py.read_text()
+    bind = "        acc.set_device(device.index)\n"
+    assert bind in src and "src=0, device=device)" in src
+    dist_py.write_text(src.replace(bind, "").replace("src=0, device=device)", "src=0)"))
+    loop_py = copy / "tdlm" / "training" / "loop.py"
+    src = loop_py.read_text()
+    roll = "    roll = RollCall(run.output_dir, broadcast_launch_id(device), rank, world)\n"
+    assert roll in src
+    loop_py.write_text(src.replace(roll, roll + "    if device.type != 'cpu':\n        acc.set_device(device.index)\n"))
+    recs = _simulated_launch(tmp_path, copy)
+    assert recs[1]["end"].startswith("RuntimeError: broadcast_object_list before set_device(1): Tensor found on "
+                                     "device cuda:0 but backend constrained to cuda:1"), recs[1]
+
+
+def test_a_rank_that_cannot_see_its_gpu_is_one_line():
+    from tdlm.training.distributed import rank_device
+
+    class OneVisible:
+        def device_name(self, index=None):
+            return "cuda"
+
+        def device_count(self):
+            return 1
+
+    assert rank_device(OneVisible(), 0) == torch.device("cuda", 0)
+    with pytest.raises(TDLMError, match=r"^LOCAL_RANK=3 but this process sees 1 cuda device\(s\).*every GPU of the "
+                                        r"node visible"):
+        rank_device(OneVisible(), 3)
+
+
+# -- DeepSpeed's ops at a GPU launch ----------------------------------------------------------------------------
+def test_a_gpu_launch_uses_torch_adamw_and_builds_no_op_unless_asked():
+    from tdlm.training.config import RunConfig
+    from tdlm.training.ds_config import jit_ops_needed, load_ds_json, resolve_ds_config
+
+    run = RunConfig()
+    for name in ("zero2.json", "zero3.json"):
+        cfg = resolve_ds_config(load_ds_json(REPO / "ds_configs" / name), run, 8, on_gpu=True)
+        assert cfg["optimizer"]["params"]["torch_adam"] is True and jit_ops_needed(cfg, on_gpu=True) == []
+    asked = load_ds_json(REPO / "ds_configs" / "zero3.json")
+    asked["optimizer"]["params"]["torch_adam"] = False  # FusedAdam on purpose: the build is announced, as before
+    assert jit_ops_needed(resolve_ds_config(asked, run, 8, on_gpu=True), on_gpu=True) == ["fused_adam"]
+    offload = resolve_ds_config(load_ds_json(REPO / "ds_configs" / "zero3_offload.json"), run, 8, on_gpu=True)
+    assert jit_ops_needed(offload, on_gpu=True) == ["cpu_adam"]  # DeepSpeedCPUAdam stays the offload optimizer
+
+
+# -- NCCL errors ------------------------------------------------------------------------------------------------
+def test_nccl_error_handling_raises_in_python_and_a_users_choice_wins():
+    from tdlm.training.distributed import nccl_error_handling
+
+    env: dict[str, str] = {}
+    assert nccl_error_handling(env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # CleanUpOnly: no SIGABRT
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert nccl_error_handling(env) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1."),
+    lambda: RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=12, "
+                         "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600045 milliseconds"),
+    lambda: RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1968, remote process exited or there was a network "
+                         "error, NCCL version 2.27.3"),
+])
+def test_nccl_failures_read_as_a_lost_peer(make):
+    from tdlm.training.distributed import first_line, is_peer_failure
+
+    e = make()
+    assert is_peer_failure(e)
+    assert "\n" not in first_line(e) and len(first_line(e)) < 200
+
+
+def test_a_cuda_out_of_memory_is_not_a_lost_peer():
+    from tdlm.training.distributed import is_peer_failure
+
+    assert not is_peer_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+# -- torch.compile on CUDA --------------------------------------------------------------------------------------
+def test_compile_on_cuda_names_a_missing_c_compiler(monkeypatch, tmp_path):
+    import torch.utils._triton as triton_probe
+
+    from tdlm.decoding.loop import check_compile
+
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(TDLMError, match=r"^compile=True: triton builds its kernel launcher with a C compiler .* "
+                                        r"install gcc or set CC"):
+        check_compile(True, "cuda")
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert check_compile(True, "cuda") == ("inductor", None)
+    assert check_compile(False, "cuda") is None  # eager needs nothing
+
+
+def test_compile_on_cuda_names_missing_python_headers(monkeypatch, tmp_path):
+    import sysconfig
+
+    import torch.utils._triton as triton_probe
+
+    from tdlm.decoding.loop import check_compile
+
+    monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"include": str(tmp_path)})
+    with pytest.raises(TDLMError, match=r"this Python's headers are missing .*Python\.h"):
+        check_compile(True, "cuda")
+
+
+# -- timed evaluations compile ----------------------------------------------------------------------------------
+def test_the_paper_table_configs_decode_compiled_and_eager_stays_a_flag():
+    from tdlm.config import load_config
+    from tdlm.evaluation.config import EvalConfig, parse_args
+
+    for name in ("eval_llada_table1.yaml", "eval_dream_table1.yaml"):
+        cfg = load_config(EvalConfig, REPO / "configs" / name)
+        assert cfg.compile is True and cfg.warmup >= 1, name
+        eager = parse_args(["--config", str(REPO / "configs" / name), "--compile", "false"])
+        assert eager.compile in (False, "false"), name
