@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,12 +210,17 @@ def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[lis
 
 
 def num_workers(cfg: EvalConfig) -> int:
-    """``workers`` if set, else one per visible GPU (at least 1; a cluster address: its GPUs)."""
+    """``workers`` if set, else one per GPU of the Ray cluster the actors would run on (at least 1).
+
+    That is the cluster's GPUs, not this process's: with an address, or a Ray connection its caller already made,
+    the driver may run on a head without GPUs (its ``torch.cuda.device_count()`` is 0 and the job would run
+    in-process on its CPU) or see other GPUs than the workers. Only for a fresh local cluster, which Ray sizes from
+    the GPUs this process sees, is ``torch.cuda.device_count()`` the same number."""
     if cfg.workers is not None:
         return cfg.workers
-    if cfg.ray_address or os.environ.get("RAY_ADDRESS"):
-        import ray
+    import ray
 
+    if ray.is_initialized() or cfg.ray_address or os.environ.get("RAY_ADDRESS"):
         _connect_ray(cfg.ray_address)
         return max(1, int(ray.cluster_resources().get("GPU", 0)))
     return max(1, torch.cuda.device_count())
@@ -266,6 +272,32 @@ class _RayWorker(EvalWorker):
         return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
 
 
+def worker_launcher(cfg: EvalConfig, num_shards: int) -> tuple[dict, Callable[[], object]]:
+    """(Ray resource options of a worker actor, a function that starts one): one GPU each when the cluster has GPUs
+    (decided from the cluster's resources, not from what this driver process sees), else ``threads`` CPUs each."""
+    import ray
+
+    res = ray.cluster_resources()
+    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
+    threads = cfg.threads or 1
+    if gpus:
+        opts = {"num_gpus": 1, "num_cpus": 1}
+        if num_shards > gpus:
+            log.warning("%d workers but %d GPUs: the extra actors wait for a free GPU", num_shards, gpus)
+    else:
+        opts = {"num_cpus": threads}
+        if num_shards * threads > cpus:
+            log.warning("%d CPU workers x %d threads but %d CPUs: some actors wait", num_shards, threads, cpus)
+    # device None: each actor places itself on what Ray gave it (worker.resolve_device: cuda:0 of its own
+    # CUDA_VISIBLE_DEVICES with num_gpus=1, else cpu); --device names the in-process worker's device only.
+    spec = WorkerSpec(cfg.backbone, cfg.dtype, None, None if gpus else threads, cfg.chat, cfg.allow_other_backbone)
+    # SPREAD: workers on as many nodes as fit, so a lost node takes as few of them as possible with it.
+    remote = ray.remote(_RayWorker).options(**opts, max_restarts=cfg.max_restarts,
+                                            max_task_retries=cfg.max_task_retries,
+                                            scheduling_strategy="SPREAD")  # fmt: skip
+    return opts, lambda: remote.remote(spec)
+
+
 IN_FLIGHT = 2  # jobs submitted ahead per actor: it never waits for the driver, and a lost driver leaves little queued
 
 
@@ -285,23 +317,7 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
     watch: ClusterWatch | None = None
     try:
         watch = ClusterWatch(cfg.head_timeout_s)
-        res = ray.cluster_resources()
-        gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 0))
-        threads = cfg.threads or 1
-        if gpus:
-            opts, device = {"num_gpus": 1, "num_cpus": 1}, "cuda"
-            if num_shards > gpus:
-                log.warning("%d workers but %d GPUs: the extra actors wait for a free GPU", num_shards, gpus)
-        else:
-            opts, device = {"num_cpus": threads}, "cpu"
-            if num_shards * threads > cpus:
-                log.warning("%d CPU workers x %d threads but %d CPUs: some actors wait", num_shards, threads, cpus)
-        spec = WorkerSpec(cfg.backbone, cfg.dtype, device, None if gpus else threads, cfg.chat,
-                          cfg.allow_other_backbone)
-        # SPREAD: workers on as many nodes as fit, so a lost node takes as few of them as possible with it.
-        remote = ray.remote(_RayWorker).options(**opts, max_restarts=cfg.max_restarts,
-                                                max_task_retries=cfg.max_task_retries,
-                                                scheduling_strategy="SPREAD")  # fmt: skip
+        opts, launch = worker_launcher(cfg, num_shards)
         queues: dict[int, collections.deque[ShardJob]] = collections.defaultdict(collections.deque)
         for job in jobs:
             queues[job.shard].append(job)
@@ -312,7 +328,7 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
         replacements = 0
 
         def start(w: int) -> None:
-            actors[w] = remote.remote(spec)
+            actors[w] = launch()
             pending[actors[w].info.remote()] = ("ready", w, None)
 
         for w in list(queues):
@@ -382,8 +398,9 @@ def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
                 if kind == "ready":
                     up.add(w)
                     node_of[w] = value["node_id"]
-                    log.info("worker %d up: pid %s on %s (%s, node %s)", w, value["pid"], value["host"],
-                             value["device_name"], value["node_id"][:12])  # fmt: skip
+                    log.info("worker %d up: pid %s on %s (%s %s, CUDA_VISIBLE_DEVICES=%s, node %s)", w, value["pid"],
+                             value["host"], value["device"], value["device_name"], value["cuda_visible_devices"],
+                             value["node_id"][:12])  # fmt: skip
                     continue
                 bar.update(value.computed)
     finally:

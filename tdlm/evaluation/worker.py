@@ -28,6 +28,7 @@ import torch
 
 from tdlm.decoding import DecodeConfig, decode
 from tdlm.evaluation.records import Appender, read_records, shard_path
+from tdlm.models.placement import actor_device, describe_placement
 
 # Test-only fault injection: "<n>" makes the process SIGKILL itself right after writing its n-th record.
 KILL_AFTER_ENV = "TDLM_EVAL_TEST_KILL_AFTER"
@@ -41,7 +42,7 @@ class WorkerSpec:
 
     backbone: str
     dtype: str | None = None
-    device: str | None = None  # None: cuda if available else cpu
+    device: str | None = None  # None: what the process was given (actor_device: a Ray actor's own GPU, else cpu)
     threads: int | None = None  # torch intra-op threads on CPU; None = as set by Ray / OMP
     chat: bool = True
     allow_other_backbone: bool = False  # attach adapters trained on another backbone
@@ -72,7 +73,8 @@ class ShardReport:
 
 
 def resolve_device(device: str | None) -> str:
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """``device``, else where this process's replica belongs (:func:`tdlm.models.placement.actor_device`)."""
+    return actor_device(device)
 
 
 class EvalWorker:
@@ -86,7 +88,9 @@ class EvalWorker:
         self._adapters: dict[str, object] = {}
         kill = os.environ.get(KILL_AFTER_ENV)
         self.kill_after = int(kill) if kill and kill.isdigit() else None
+        self.device: str | None = None
         try:
+            self.device = resolve_device(spec.device)  # before loading: placement() reports it even if loading fails
             self._load()
         except Exception as e:  # re-raised on the driver's first call
             self.error = e
@@ -96,7 +100,6 @@ class EvalWorker:
         from tdlm.models.loading import load_backbone
 
         spec = self.spec
-        self.device = resolve_device(spec.device)
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=self.device)
@@ -109,7 +112,13 @@ class EvalWorker:
     def info(self) -> dict:
         if self.error is not None:
             raise self.error
-        return {"backbone_id": self.backbone.backbone_id, **self.meta}
+        return {"backbone_id": self.backbone.backbone_id, **self.meta,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
+
+    def placement(self) -> dict:
+        """:func:`~tdlm.models.placement.describe_placement` of this worker, also when loading failed (with the
+        error)."""
+        return {**describe_placement(self.device), "error": None if self.error is None else repr(self.error)}
 
     def _model(self, run: dict):
         if run["policy"] != "tdlm":

@@ -39,6 +39,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -130,6 +131,36 @@ def replica_resources(cfg: GenerationConfig, shards_todo: int) -> tuple[int, dic
             log.warning("%d actors requested; the cluster fits %d now (the rest wait for resources)", cfg.actors, n)
         n = cfg.actors
     return max(1, min(n, shards_todo)), opts
+
+
+def replica_launcher(cfg: GenerationConfig, shards_todo: int,
+                     faults: FaultInjection | None = None) -> tuple[int, dict, Callable[[], object]]:  # fmt: skip
+    """(number of replicas, their Ray resource options, a function that starts one replica actor)."""
+    import ray
+
+    n, resources = replica_resources(cfg, shards_todo)
+    gpu = resources.get("num_gpus", 0) > 0
+    spec = WorkerSpec(
+        backbone=cfg.backbone,
+        decode=cfg.decode_config().to_dict(),
+        batch_size=cfg.batch_size,
+        chat=cfg.chat,
+        adapter=cfg.adapter,
+        allow_other_backbone=cfg.allow_other_backbone,
+        dtype=cfg.dtype,
+        # Each replica places itself on what Ray gave it (tdlm.models.placement.actor_device: cuda:0 of its own
+        # CUDA_VISIBLE_DEVICES with num_gpus=1, else cpu); a device chosen here would be the driver's view.
+        device=None,
+        threads=None if gpu else cfg.cpus_per_actor,
+        faults=faults,
+    )
+    # Two threads per replica: run_shard in one, progress() answered in the other (per-batch progress).
+    # SPREAD: replicas on as many nodes as fit, so a lost node takes as few replicas as possible with it.
+    remote_cls = ray.remote(_Replica).options(
+        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries, max_concurrency=2,
+        scheduling_strategy="SPREAD",
+    )  # fmt: skip
+    return n, resources, lambda: remote_cls.remote(spec)
 
 
 # -- progress -------------------------------------------------------------------------------------
@@ -350,26 +381,7 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
     import ray
     from ray.exceptions import RayActorError, RayError, RayTaskError
 
-    n_actors, resources = replica_resources(cfg, len(todo))
-    gpu = resources.get("num_gpus", 0) > 0
-    spec = WorkerSpec(
-        backbone=cfg.backbone,
-        decode=cfg.decode_config().to_dict(),
-        batch_size=cfg.batch_size,
-        chat=cfg.chat,
-        adapter=cfg.adapter,
-        allow_other_backbone=cfg.allow_other_backbone,
-        dtype=cfg.dtype,
-        device="cuda" if gpu else "cpu",
-        threads=None if gpu else cfg.cpus_per_actor,
-        faults=faults,
-    )
-    # Two threads per replica: run_shard in one, progress() answered in the other (per-batch progress).
-    # SPREAD: replicas on as many nodes as fit, so a lost node takes as few replicas as possible with it.
-    remote_cls = ray.remote(_Replica).options(
-        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries, max_concurrency=2,
-        scheduling_strategy="SPREAD",
-    )  # fmt: skip
+    n_actors, resources, launch = replica_launcher(cfg, len(todo), faults)
     log.info("starting %d replica(s) of %s (%s each)", n_actors, cfg.backbone, resources)
     actors: dict[int, object] = {}
     pending: dict[object, tuple[str, int, int | None]] = {}  # ref -> (kind, actor slot, shard)
@@ -378,7 +390,7 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
 
     def start_actor(slot: int) -> None:
         node_of.pop(slot, None)
-        actors[slot] = remote_cls.remote(spec)
+        actors[slot] = launch()
         pending[actors[slot].info.remote()] = ("ready", slot, None)
 
     for slot in range(n_actors):
@@ -469,8 +481,8 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
                 store.check_actor_identity(value)
                 node_of[slot] = value["node_id"]
                 processes.append({k: value[k] for k in ("pid", "host", "device", "threads", "node_id")})
-                log.info("replica %d up: pid %s on %s (%s, %s threads)", slot, value["pid"], value["host"],
-                         value["device"], value["threads"])  # fmt: skip
+                log.info("replica %d up: pid %s on %s (%s, CUDA_VISIBLE_DEVICES=%s, %s threads)", slot, value["pid"],
+                         value["host"], value["device"], value["cuda_visible_devices"], value["threads"])  # fmt: skip
                 idle.append(slot)
                 continue
             result: ShardResult = value

@@ -22,6 +22,7 @@ from tdlm.data.trajectories import TrajectoryRecord
 from tdlm.decoding import DecodeConfig, decode
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
+from tdlm.models.placement import actor_device, describe_placement
 from tdlm.temporal.adapter_files import adapter_fingerprint  # noqa: F401  (re-exported)
 
 # Test-only fault injection (see FaultInjection.from_env). Inert unless the variable is set.
@@ -77,7 +78,7 @@ class WorkerSpec:
     chat: bool = True
     adapter: str | None = None
     dtype: str | None = None
-    device: str = "cpu"
+    device: str | None = "cpu"  # None: what the process was given (:func:`actor_device`; the driver's Ray actors)
     allow_other_backbone: bool = False
     threads: int | None = None  # torch intra-op threads on CPU; None = leave as set by Ray/OMP
     faults: FaultInjection | None = None
@@ -108,7 +109,9 @@ class ShardWorker:
         self.spec = spec
         self.error: BaseException | None = None
         self._progress: tuple[int, int] | None = None  # (shard, prompts decoded) while run_shard runs
+        self.device: str | None = None
         try:
+            self.device = actor_device(spec.device)  # before loading: placement() reports it even if loading fails
             self._load()
         except Exception as e:  # re-raised by info() on the driver's first call
             self.error = e
@@ -122,14 +125,14 @@ class ShardWorker:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.config = DecodeConfig(**spec.decode).validate()
-        self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=spec.device)
+        self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=self.device)
         self.model = (TDLM.from_adapter(self.backbone, spec.adapter, allow_other_backbone=spec.allow_other_backbone)
-                      .to(spec.device) if spec.adapter else self.backbone)
+                      .to(self.device) if spec.adapter else self.backbone)
         self.tokenizer = load_tokenizer(spec.backbone)
         self.stop_ids = stop_token_ids(self.tokenizer, self.backbone.eos_token_id)
         self.fingerprint = backbone_fingerprint(spec.backbone)
         self.adapter_fingerprint = adapter_fingerprint(spec.adapter) if spec.adapter else None
-        self.meta = {"pid": os.getpid(), "host": socket.gethostname(), "device": spec.device,
+        self.meta = {"pid": os.getpid(), "host": socket.gethostname(), "device": self.device,
                      "threads": torch.get_num_threads()}  # fmt: skip
 
     def info(self) -> dict:
@@ -141,7 +144,12 @@ class ShardWorker:
             "backbone": self.fingerprint,
             "adapter": self.adapter_fingerprint,
             **self.meta,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
+
+    def placement(self) -> dict:
+        """:func:`describe_placement` of this replica, also when loading failed (then with the error)."""
+        return {**describe_placement(self.device), "error": None if self.error is None else repr(self.error)}
 
     def progress(self) -> tuple[int, int] | None:
         """(shard index, prompts of it decoded so far) while :meth:`run_shard` runs, else None. The driver runs the
