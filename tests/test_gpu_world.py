@@ -225,3 +225,53 @@ def test_the_paper_table_configs_decode_compiled_and_eager_stays_a_flag():
         assert cfg.compile is True and cfg.warmup >= 1, name
         eager = parse_args(["--config", str(REPO / "configs" / name), "--compile", "false"])
         assert eager.compile in (False, "false"), name
+
+
+def test_cuda_graph_modes_refuse_a_spatial_kv_cache_in_one_line(monkeypatch):
+    """reduce-overhead / max-autotune record CUDA graphs; the KV cache the first refresh creates would live in the
+    trees' pool and be overwritten by the next recorded call. Refused before any decode, on every device."""
+    from tdlm.decoding.loop import DecodeConfig
+
+    for mode in ("reduce-overhead", "max-autotune"):
+        for cache in ("prefix", "dual"):
+            with pytest.raises(TDLMError, match=rf"^compile='{mode}' captures CUDA graphs, which cannot keep the "
+                                                rf"spatial KV cache \(cache='{cache}'\)"):
+                DecodeConfig(compile=mode, cache=cache).validate()
+        DecodeConfig(compile=mode, cache="none").validate()
+    DecodeConfig(compile=True, cache="dual").validate()
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_fp16_is_refused_on_every_device(on_gpu):
+    from tdlm.training.config import RunConfig
+    from tdlm.training.ds_config import load_ds_json, resolve_ds_config
+
+    raw = load_ds_json(REPO / "ds_configs" / "zero3.json")
+    raw["fp16"] = {"enabled": True}
+    run = RunConfig()
+    run.model.dtype = "float32"
+    with pytest.raises(TDLMError, match=r"fp16.enabled=true is not supported"):
+        resolve_ds_config(raw, run, 8, on_gpu=on_gpu)
+
+
+def test_an_unindexed_cuda_load_goes_to_the_current_device_not_cuda_0(monkeypatch, tmp_path):
+    """safetensors reads device "cuda" as cuda:0; a rank or harness whose current device is cuda:1 would put a
+    transient 16 GB copy on GPU 0. The loader names the current device."""
+    import tdlm
+    import tdlm.models.loading as loading
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_open(path, framework, device):
+        seen.append(device)
+        raise Stop
+
+    monkeypatch.setattr(loading, "safe_open", fake_open)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    folder = Path(tdlm.__file__).parent / "assets" / "tiny-arith"
+    with pytest.raises(Stop):
+        loading.load_backbone(str(folder), device="cuda", dtype="float32")
+    assert seen == ["cuda:1"]

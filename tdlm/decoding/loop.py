@@ -73,7 +73,14 @@ class DecodeConfig:
         if self.policy not in POLICIES:
             raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
         check_cache_mode(self.cache)
-        check_compile(self.compile)
+        mode = check_compile(self.compile)
+        if mode is not None and mode[1] in _CUDA_GRAPH_MODES and self.cache != "none":
+            # The first refresh creates the spatial KV cache inside the compiled step, so it is a CUDA-graph output
+            # in the trees' pool; the next recorded call frees and reuses that memory, and the window step would
+            # read K/V that another graph overwrote (torch's cudagraph_trees; read, not run on a GPU here).
+            raise TDLMError(f"compile={self.compile!r} captures CUDA graphs, which cannot keep the spatial KV cache "
+                            f"(cache={self.cache!r}) between steps yet; use compile=True with a cache, or "
+                            f"cache='none' with {self.compile!r}")  # fmt: skip
         # written so that NaN fails too; every entry point (evaluation, harness, generation) then refuses the same
         if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
             raise TDLMError(f"decode threshold (tau of Eq. 6) must be a confidence in [0, 1]; got {self.threshold!r}")

@@ -201,8 +201,11 @@ def load_backbone(
         model = build_backbone(family, raw, str(cfg_path))
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # safetensors reads "cuda" as cuda:0, not the current device
+        dev = torch.device("cuda", torch.cuda.current_device())
     for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as fh:
+        with safe_open(str(f), framework="pt", device=str(dev)) as fh:
             for key in fh.keys():
                 if key not in expected:
                     if key.endswith("rotary_emb.inv_freq"):

@@ -112,8 +112,11 @@ def resolve_ds_config(raw: dict, run: RunConfig, world_size: int, on_gpu: bool, 
         bf16["enabled"] = want_bf16
     elif bool(bf16["enabled"]) != want_bf16 and run.model.dtype != "auto":
         raise TDLMError(f"{where}: bf16.enabled={bf16['enabled']} contradicts model.dtype={run.model.dtype}")
-    if cfg.get("fp16", {}).get("enabled") is True and not on_gpu:
-        raise TDLMError(f"{where}: fp16 is not supported on CPU; use bf16 or fp32")
+    if cfg.get("fp16", {}).get("enabled") is True:
+        # On a GPU DeepSpeed would cast every parameter, the frozen bf16 backbone too, to fp16 (range 65504), and a
+        # ZeRO-3 load refuses it with a less clear message; on the CPU DeepSpeed has no fp16 at all.
+        raise TDLMError(f"{where}: fp16.enabled=true is not supported (the LLaDA / Dream releases are bf16, and fp16 "
+                        f"overflows them); use bf16 or fp32")
     cfg.setdefault("steps_per_print", 10**9)  # progress is ours; keep DeepSpeed's own log quiet
     cfg.setdefault("wall_clock_breakdown", False)
     check_with_deepspeed(cfg, where)
