@@ -275,3 +275,20 @@ def test_an_unindexed_cuda_load_goes_to_the_current_device_not_cuda_0(monkeypatc
     with pytest.raises(Stop):
         loading.load_backbone(str(folder), device="cuda", dtype="float32")
     assert seen == ["cuda:1"]
+
+
+def test_non_finite_logits_stop_the_decode_in_one_line():
+    """fp16 overflows the bf16-trained releases on a GPU: NaN logits would make every greedy token id 0, committed
+    without a word. The decode's one host read per evaluation also says whether each row's logits were finite."""
+    import tdlm
+
+    bb = tdlm.load_backbone("tiny-arith", dtype="float32")
+    ok = tdlm.decode(bb, [[3, 4, 40]], gen_length=8, block_size=8)
+    assert ok[0].nfe >= 1
+    handle = bb.register_forward_hook(lambda m, i, out: out * float("nan"))
+    try:
+        with pytest.raises(TDLMError, match=r"^decode: the backbone's logits are not finite \(NaN\) at evaluation 1 "
+                                            r"of 1 row\(s\), dtype torch.float32; float16 overflows"):
+            tdlm.decode(bb, [[3, 4, 40]], gen_length=8, block_size=8)
+    finally:
+        handle.remove()

@@ -510,10 +510,16 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             still = new_resp == mask_id
         ids[active, P:] = new_resp
         reveal[active] = rows_reveal
-        # The one host synchronisation of the evaluation: which rows are done, each row's next active block
-        # and its masked count.
+        # The one host synchronisation of the evaluation: which rows are done, each row's next active block,
+        # its masked count, and whether its logits were finite (a NaN greedy token would commit id 0 silently:
+        # fp16 overflows the bf16-trained releases on a GPU).
         count = still.sum(1)
-        done_l, next_l, left_l = torch.stack([count == 0, pos_block[still.int().argmax(1)], count]).tolist()
+        done_l, next_l, left_l, nan_l = torch.stack([count == 0, pos_block[still.int().argmax(1)], count,
+                                                     conf.isnan().any(1)]).tolist()
+        if any(nan_l):
+            raise TDLMError(f"decode: the backbone's logits are not finite (NaN) at evaluation {int(nfe.max())} of "
+                            f"{sum(map(bool, nan_l))} row(s), dtype {next(backbone.parameters()).dtype}; float16 "
+                            f"overflows bf16-trained LLaDA / Dream: use bfloat16 or float32")  # fmt: skip
         now = time.perf_counter()
         if _graphs_compiled() != graphs:
             excluded += now - t_eval
