@@ -12,9 +12,10 @@ more axis (``none``, Fast-dLLM's ``prefix`` / ``dual``; :mod:`tdlm.models.kv_cac
 Settings split in two, as in :mod:`tdlm.generation.config`:
 
 * *identity* settings (:meth:`EvalConfig.identity`) decide what a run's per-sample results mean
-  (backbone, adapter, decode rule, prompts, dtype, batch size and device kind because they change the
-  measured seconds). They are written to each run's ``run.json``; resuming with any of them changed
-  is refused;
+  (backbone, adapter, decode rule, prompts, dtype, and batch size because it changes the measured seconds).
+  They are written to each run's ``run.json``; resuming with any of them changed is refused. The device is not
+  among them (the driver cannot know which GPU a Ray actor gets): each sample records its worker's device, and
+  the summary lists the devices, so a run resumed on another device kind shows it (docs/gpu.md);
 * *run* settings (workers, threads, W&B, scoring workers) may change between a run and its resume.
 """
 
