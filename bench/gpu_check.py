@@ -1,366 +1,310 @@
-"""The GPU check: run once whenever a GPU is lent (``bash bench/gpu_check.sh``; the stages are here).
+"""The GPU check: run once whenever a GPU is lent (``bash bench/gpu_check.sh``; stages, order and budgets here).
 
-Each stage writes ``<out>/gpu_<stage>.json`` as soon as it ends, ``status`` "ok", "failed" (with the
-error) or "skipped" (with the reason); a failing stage never stops the next one.
+Commands (repository root; gpu_check.sh sets PYTHONPATH, installs the carried wheels and tees a log to $OUT)::
 
-* ``train``: real training steps on random LLaDA-8B-shaped weights (bf16) at the target shape (all 32
-  layers, 4 x 64, K 8, L 768 with 256 response tokens, micro-batch 4, activation checkpointing) and at
-  16 dispersed layers, one process without ZeRO: ``torch.cuda.max_memory_allocated`` next to
-  ``tdlm.training.planner.plan(zero=0)`` (the per-GPU plan of ZeRO-3 on 8 GPUs differs only in the
-  partitioned static terms, which are counted, not measured).
-* ``nfe``: ``tdlm.decode`` as users run it (:func:`stage_nfe`): LLaDA-8B and Dream-7B shape (random bf16
-  weights built on meta, materialised on the GPU), prompt 256 + 64 generated in blocks of 32, batch 1 and a
-  left-padded batch of 8, cache none / dual, eager and compiled (``compile=True``), threshold vs tdlm (the
-  paper's allocation, a live adapter): ms per NFE and the TDLM/backbone ratio. The paper's anchor: 0.585 s
-  for 40.08 NFE on GH200, about 14.6 ms per NFE. Settings beyond ``--nfe-budget`` seconds are skipped. Each
-  compiled batch-1 setting is decoded once more under ``torch.profiler`` (:func:`launch_profile`): kernels per
-  NFE and the GPU's busy time against the wall, what the launch term of the prediction assumes.
-* ``deepspeed``: one ZeRO-3 training step through ``deepspeed.initialize`` on a single rank (NCCL), if
-  DeepSpeed is importable (its wheels travel in ``.whl/``, see gpu_check.sh).
+    bash bench/gpu_check.sh                  # one H200: every stage, at most 7 minutes (420 s), JSON to $OUT
+    bash bench/gpu_check.sh --quick          # the subset below, at most 4 minutes (240 s)
+    bash bench/gpu_check.sh --dry-run        # any CPU: every stage at toy size (the test suite runs it)
+    python bench/gpu_check.py --deadline-s 300 --stage-deadline-s train=60,deepspeed=80 --setting-cap-s 120
 
-``--dry-run`` runs every stage at toy size on the CPU (compile with the eager backend); the test suite runs it.
+**Always returns what it measured.** The parent process never imports torch; each stage runs in a child process
+(its own process group) that the parent kills at the stage's deadline, because nothing inside one process can
+stop a CUDA kernel or an inductor compile that runs on for minutes. The child writes ``<out>/gpu_<stage>.json``
+after every setting (temporary file + ``os.replace``, so a kill never leaves half a file), and inside a decode
+setting after each policy. When a child ends, is killed, or crashes, the parent reads that file, marks the
+setting that was running (``deadline``: the stage's deadline; ``cap``: the setting ran past ``--setting-cap-s``;
+``crashed``: the child died) and the ones not reached (``not run``), and writes the stage's final status: ``ok``,
+``deadline`` (stopped; what finished is kept), ``failed`` (a setting failed or a loss was not finite) or
+``skipped`` (the reason given). After a cap, a crash or a CUDA error (which poisons its process, not the next
+one) a new child runs the remaining settings. A file whose status is still ``running`` is what a run stopped from
+outside (the device's 10-minute limit) left: every finished setting is in it. Exit status 1 when a stage failed; a
+deadline alone is not a failure (the order puts what it cuts last).
 
-After the stages, :func:`beside_predicted` prints each measured number next to the prediction made without a GPU
-(``bench/results/true_shape.json``, ``bench/true_shape.py``): the train stage's peak next to the traced peak of the
-same single-process step (MemTracker under FakeTensorMode, plus the AdamW moments), the nfe stage's ms per NFE next
-to the roofline prediction for H200 (eager: the unfused bound; compiled: fused + kernel launches added, and beside
-it the same launches issued asynchronously and with CUDA graphs), and the profiled kernels per NFE next to the
-count inductor's CPU graph gave (``bench/results/dispatch_count.json``). It writes
-``<out>/predicted_vs_measured.json``. A dry run does the same with its toy numbers (the ratios mean nothing there;
-the code path is what it checks).
+**Budgets** (``--deadline-s``, from gpu_check.sh's start, wheel install included; ``--stage-deadline-s``):
+
+==========  ========  ========  ==================================================================
+stage       default   --quick   settings, in order (cheapest and most telling first)
+==========  ========  ========  ==================================================================
+train       75 s      40 s      all, dispersed:16 (--quick: all)
+deepspeed   90 s      60 s      one ZeRO-3 run on one rank (its JSON after the plan and after each step)
+nfe         the rest  the rest  :func:`nfe_settings`
+(reserve)   10 s      10 s      the kill, predicted_vs_measured.json
+overall     420 s     240 s     7 / 4 minutes: the 15 device-minutes of a session leave room for a rerun
+==========  ========  ========  ==================================================================
+
+A stage's budget is a cap: what it leaves flows to the next, and no stage runs past the overall deadline. The
+training stages go first because they are bounded (a few steps each), so the decode stage, whose compiled
+settings cost minutes, cannot starve them; its own settings run most telling first, so what a deadline cuts is
+the least telling.
+
+**What each stage measures** (``train``, ``deepspeed``, ``nfe`` and its launch profile): ``bench/gpu_check_stages.py``,
+the child that :func:`run_stage` starts as ``python bench/gpu_check_stages.py STAGE --items JSON --json PATH``.
+
+**Measured beside predicted** (``bench/gpu_check_compare.py``, ``<out>/predicted_vs_measured.json`` and the printed
+table): the GPU's name picks the prediction rows (:func:`gpu_kind`, :func:`select_predictions`): an H200 is held
+to the H200 rows of ``bench/results/true_shape.json``, a GH200 to the GH200 rows only, any other GPU to nothing.
+
+**Test hooks** (the test suite plants faults with them; never set on a real run): ``TDLM_GPU_CHECK_HOOKS`` is a
+``;``-separated list of ``sleep:STAGE:SETTING=SECONDS`` (a setting that hangs; ``SETTING@tdlm``: its tdlm policy,
+after threshold finished), ``raise:STAGE[:SETTING]`` (a failing setting), ``cudaerror:STAGE:SETTING`` (a failing
+setting whose error poisons the process) and ``nan:STAGE`` (NaN in the backbone's embedding: every loss is NaN).
+
+``--dry-run`` runs every stage at toy size on the CPU (compile with dynamo's eager backend; its toy numbers are
+printed beside the H200 rows only to exercise that code path).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import os
-import platform
-import socket
-import statistics
+import signal
+import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
-from types import SimpleNamespace
 
-import torch
+if __name__ == "__main__":  # gpu_check_compare imports this file as gpu_check: the same module, not a second copy
+    sys.modules.setdefault("gpu_check", sys.modules[__name__])
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpu_train_probe import TINY, build_backbone, run_config  # noqa: E402
-
-import tdlm  # noqa: E402
-from tdlm.models.dream import Dream, DreamConfig  # noqa: E402
-from tdlm.models.llada import LLaDAConfig  # noqa: E402
-from tdlm.temporal.model import TDLM, TemporalConfig  # noqa: E402
-from tdlm.training.planner import random_batch  # noqa: E402
-from tdlm.training.planner.measure import init_random_  # noqa: E402
-
-DREAM_TINY = DreamConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=176, vocab_size=512, mask_token_id=2, eos_token_id=1, pad_token_id=0,
-                         torch_dtype="float32")  # fmt: skip
-ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)
-
-
-def device_info(device: torch.device) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "host": socket.gethostname(), "device": str(device)}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        info.update(name=p.name, total_memory=p.total_memory, capability=list(torch.cuda.get_device_capability()),
-                    cuda=torch.version.cuda)
-    return info
+ROOT = Path(__file__).resolve().parents[1]
+PREDICTION = ROOT / "bench" / "results" / "true_shape.json"
+STAGE_ORDER = ("train", "deepspeed", "nfe")
+DEADLINE_S = {"full": 420.0, "quick": 240.0, "dry": 900.0}
+STAGE_CAP_S = {"full": {"train": 75.0, "deepspeed": 90.0}, "quick": {"train": 40.0, "deepspeed": 60.0}, "dry": {}}
+RESERVE_S = 10.0  # kept after the last stage: reaping a killed child and predicted_vs_measured.json
+MIN_STAGE_S = 5.0  # a stage with less than this left is not started (a child needs seconds to import torch)
+HOOKS_ENV = "TDLM_GPU_CHECK_HOOKS"
+CHILD = Path(__file__).resolve().with_name("gpu_check_stages.py")  # one stage in one process (its docstring)
+# What host_us_per_launch means: the launch profile writes it into its rows, the comparison prints it as the source.
+HOST_US_PER_LAUNCH_IS = (
+    "host wall inside the compiled regions / the kernels launched there: the host's issue interval per kernel, "
+    "which bench/true_shape.py's launch term means (step_ms adds kernels x launch_us; overlapped_ms issues one "
+    "kernel every launch_us). The launch API call alone (launch_api_us_mean) leaves out what the host also spends "
+    "between two launches (inductor's Python wrapper, argument packing); the profiler's per-launch callbacks add to "
+    "both, so both are upper bounds of the unprofiled cost")
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# -- the stage JSONs: the parent, the child and the comparison read and write them ----------------------------
+def write_json(path: Path, obj: dict) -> None:
+    """Atomic: a reader (or a kill) sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
 
 
-def timed(fn, device: torch.device, reps: int, warmup: int) -> float:
-    """Median wall seconds of ``fn()`` over ``reps`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-# -- stages ---------------------------------------------------------------------------------------
-def stage_train(ctx: SimpleNamespace) -> dict:
-    shape = dict(micro_batch=4, states=8, seq_len=768, response_len=256, heads=4, head_dim=64)
-    specs = ["all", "dispersed:16"]
-    if ctx.dry_run:
-        shape = dict(micro_batch=2, states=4, seq_len=48, response_len=16, heads=2, head_dim=16)
-        specs = ["all", "dispersed:4"]
-    args = SimpleNamespace(**shape, dtype=ctx.dtype_name, steps=3, seed=0, reserve_gb=2.0)
-    mem_gb = (torch.cuda.get_device_properties(ctx.device).total_memory / 2**30) if ctx.cuda else 24.0
-    rows = []
-    for spec in specs:
-        row = run_config(ctx.backbone, ctx.cfg, spec, True, args, ctx.device, mem_gb)
-        row.pop("plan", None)
-        rows.append(row)
-        if ctx.cuda:
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-    return {"shape": shape, "checkpointing": True, "rows": rows,
-            "note": "one process, no ZeRO: measured torch.cuda.max_memory_allocated vs plan(zero=0, world_size=1)"}
-
-
-def _tdlm(ctx: SimpleNamespace) -> TDLM:
-    heads, head_dim = (2, 16) if ctx.dry_run else (4, 64)
-    model = TDLM(ctx.backbone, TemporalConfig(layers=f"dispersed:{ctx.cfg.n_layers // 2}", heads=heads,
-                                               head_dim=head_dim))
-    g = torch.Generator(device="cpu").manual_seed(0)
-    with torch.no_grad():
-        for mod in model.temporal.values():  # a live adapter: nonzero W_O
-            w = torch.randn(mod.o_proj.weight.shape, generator=g) * 0.02
-            mod.o_proj.weight.copy_(w.to(mod.o_proj.weight.dtype))
-    return model.eval()
-
-
-def _dream(dry_run: bool, device: torch.device, dtype: torch.dtype) -> Dream:
-    """Random-init Dream-7B (or a toy Dream): meta build -> cast -> to_empty -> seeded init, as for LLaDA."""
-    cfg = DREAM_TINY if dry_run else DreamConfig()
-    with torch.device("meta"):
-        model = Dream(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    init_random_(model, 1)
-    model.backbone_id = "dream-7b-random" if not dry_run else "dream-tiny-random"
-    return model.freeze()
-
-
-def _live(backbone, dry_run: bool) -> TDLM:
-    """TDLM at the paper's allocation (half the layers, dispersed) with a live adapter (nonzero W_O)."""
-    heads, head_dim = (2, 16) if dry_run else (4, 64)
-    model = TDLM(backbone, TemporalConfig(layers=f"dispersed:{backbone.num_layers // 2}", heads=heads,
-                                          head_dim=head_dim))  # fmt: skip
-    g = torch.Generator(device="cpu").manual_seed(0)
-    with torch.no_grad():
-        for mod in model.temporal.values():
-            w = torch.randn(mod.o_proj.weight.shape, generator=g) * 0.02
-            mod.o_proj.weight.copy_(w.to(mod.o_proj.weight.dtype))
-    return model.eval()
-
-
-def launch_profile(target, req: list[list[int]], kw: dict, device: torch.device) -> dict:
-    """One more decode of a compiled setting under ``torch.profiler``, per NFE: the kernels the GPU ran (its own
-    kernel events) and their summed time (the GPU's busy time: one stream, so the kernels do not overlap), beside
-    the profiled wall time. The launch term of ``bench/true_shape.py`` rests on two numbers this measures: kernels
-    per NFE (predicted from inductor's CPU graph) and whether launches hide behind the GPU's work (busy / wall near
-    1: the "overlapped" prediction; well below 1: the host launches too slowly, the "added" bound). On a CPU (dry
-    run) there are no device events: the profiled operator events per NFE are recorded instead."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync(device)
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        res = tdlm.decode(target, req, **kw)
-        sync(device)
-    wall = time.perf_counter() - t0
-    evals = max(r.nfe for r in res)
-    events = prof.events()
-    out: dict = {"nfe": evals, "profiled_wall_ms_per_nfe": 1000 * wall / evals}
-    if cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-        busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-        launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
-                                                     "cuLaunchKernelEx")]  # fmt: skip
-        out |= {"kernels_per_nfe": len(kernels) / evals, "gpu_busy_ms_per_nfe": busy_us / 1000 / evals,
-                "busy_over_wall": busy_us / 1e6 / wall if wall else None,
-                "launch_api_us_mean": (sum(e.time_range.elapsed_us() for e in launches) / len(launches)
-                                       if launches else None)}  # fmt: skip
-    else:
-        out["cpu_events_per_nfe"] = len(events) / evals
-    return out
-
-
-def stage_nfe(ctx: SimpleNamespace) -> dict:
-    """``tdlm.decode`` as users run it: LLaDA-8B and Dream-7B shape (random weights), batch 1 and a left-padded
-    batch of 8, cache none / dual, eager and compiled (``compile=True``; the eager backend in a dry run),
-    threshold vs tdlm (16 / 14 dispersed layers, live adapter). Each setting decodes once untimed (compiles every
-    graph of it: the timed decode excludes compilation) and once timed (wall, CUDA-synchronised). ms per NFE =
-    seconds / the batch's evaluations (a batched evaluation is one forward for all rows), and the TDLM/backbone
-    ratio per setting. Random weights give flat predictions, so threshold commits one token per evaluation and
-    NFE = gen_length: the cost per evaluation is what is measured. Settings run most important first; whatever
-    does not fit the stage's budget (``--nfe-budget``) is recorded as skipped."""
-    P, G, bs = (8, 16, 8) if ctx.dry_run else (256, 64, 32)
-    compile_value = "eager" if ctx.dry_run else True
-    budget = ctx.nfe_budget
-    t_start = time.perf_counter()
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[ctx.dtype_name]
-    models = {"llada-8b": ctx.backbone, "dream-7b": _dream(ctx.dry_run, ctx.device, dtype)}
-    tdlms = {name: _live(bb, ctx.dry_run) for name, bb in models.items()}
-    g = torch.Generator(device="cpu").manual_seed(1)
-
-    def prompts(bb, batch: int) -> list[list[int]]:
-        rows = torch.randint(3, min(bb.vocab_size, 1000), (batch, P), generator=g).tolist()
-        return [r[: P - (i * P) // (2 * batch)] for i, r in enumerate(rows)]  # left-padded when batch > 1
-
-    settings = []  # most important first: eager batch 1, compiled batch 1, eager batch 8, compiled batch 8
-    for batch, mode in ((1, "eager"), (1, "compiled"), (8, "eager"), (8, "compiled")):
-        for name in models:
-            if ctx.dry_run and mode == "compiled" and (batch > 1 or name != "llada-8b"):
-                continue  # a dry run traces one compiled setting (tests/test_compile.py traces every kind)
-            for cache in ("none",) if ctx.dry_run and mode == "compiled" else ("none", "dual"):
-                settings.append((name, batch, cache, mode))
-    rows, skipped = [], []
-    for name, batch, cache, mode in settings:
-        if budget and time.perf_counter() - t_start > budget:
-            skipped.append(f"{name}/b{batch}/{cache}/{mode}")
-            continue
-        bb, req = models[name], prompts(models[name], batch)
-        row = {"model": name, "batch": batch, "cache": cache, "mode": mode}
-        for policy in ("threshold", "tdlm"):
-            target = tdlms[name] if policy == "tdlm" else bb
-            kw = dict(policy=policy, cache=cache, gen_length=G, block_size=bs, threshold=0.9,
-                      compile=compile_value if mode == "compiled" else False)  # fmt: skip
-            try:
-                sync(ctx.device)
-                t0 = time.perf_counter()
-                tdlm.decode(target, req, **kw)  # untimed: compiles / warms up every graph of this setting
-                sync(ctx.device)
-                row[f"{policy}_warmup_s"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                res = tdlm.decode(target, req, **kw)
-                sync(ctx.device)
-                sec = time.perf_counter() - t0
-                evals = max(r.nfe for r in res)
-                row[f"{policy}_ms_per_nfe"] = 1000 * sec / evals
-                row[f"{policy}_nfe"] = [r.nfe for r in res]
-                if mode == "compiled" and batch == 1:  # after the timed decode: the profiler slows what it watches
-                    row[f"{policy}_launches"] = launch_profile(target, req, kw, ctx.device)
-            except Exception as e:  # a failing setting is a result, not the end of the stage
-                row[f"{policy}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        if "threshold_ms_per_nfe" in row and "tdlm_ms_per_nfe" in row:
-            row["tdlm_over_backbone"] = row["tdlm_ms_per_nfe"] / row["threshold_ms_per_nfe"]
-        rows.append(row)
-        print(f"[gpu_check] nfe {name} b{batch} {cache} {mode}: "
-              f"{row.get('threshold_ms_per_nfe', float('nan')):.2f} / {row.get('tdlm_ms_per_nfe', float('nan')):.2f}"
-              f" ms per NFE (threshold / tdlm)", flush=True)  # fmt: skip
-    for r in rows:  # compiled / eager of the same model, batch and cache
-        eager = next((e for e in rows if e["mode"] == "eager" and (e["model"], e["batch"], e["cache"]) ==
-                      (r["model"], r["batch"], r["cache"])), None)  # fmt: skip
-        for policy in ("threshold", "tdlm"):
-            if r["mode"] == "compiled" and eager and f"{policy}_ms_per_nfe" in r and f"{policy}_ms_per_nfe" in eager:
-                r[f"{policy}_compiled_over_eager"] = r[f"{policy}_ms_per_nfe"] / eager[f"{policy}_ms_per_nfe"]
-    errors = [k for r in rows for k in r if k.endswith("_error")]
-    return {"prompt_len": P, "gen_length": G, "block_size": bs, "threshold": 0.9, "dtype": ctx.dtype_name,
-            "compile": compile_value, "rows": rows, "skipped_for_budget": skipped, "budget_s": budget,
-            "tdlm_layers": {n: m.layer_ids for n, m in tdlms.items()}, "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
-            **({"status": "failed", "error": f"{len(errors)} settings failed: {errors}"} if errors else {})}
-
-
-def stage_deepspeed(ctx: SimpleNamespace) -> dict:
+def read_json(path: Path) -> dict:
     try:
-        import deepspeed
-    except ImportError as e:
-        return {"status": "skipped", "reason": f"DeepSpeed not importable ({e}); carry .whl (gpu_check.sh --fetch)"}
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    deepspeed.init_distributed(dist_backend="nccl" if ctx.cuda else "gloo", verbose=False)
-    from tdlm.training.loop import supervised_ce
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
-    B, K, L, N = (1, 4, 48, 16) if ctx.dry_run else (4, 8, 768, 256)
-    model = _tdlm(ctx)
-    model.activation_checkpointing = True
-    model.train()
-    ds_cfg = json.loads((Path(__file__).resolve().parents[1] / "ds_configs" / "zero3.json").read_text())
-    ds_cfg.update(train_batch_size=B, train_micro_batch_size_per_gpu=B, gradient_accumulation_steps=1,
-                  gradient_clipping=1.0, steps_per_print=10**9)
-    ds_cfg["optimizer"]["params"] = {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0,
-                                     "torch_adam": True}
-    ds_cfg["bf16"] = {"enabled": ctx.dtype_name == "bf16"}
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)
-    for p in model.temporal.parameters():
-        deepspeed.zero.register_external_parameter(model, p)
-    batch = random_batch(ctx.backbone, B, K, L, N, 0).to(ctx.device)
-    losses, times = [], []
-    for _ in range(3):
-        sync(ctx.device)
-        t0 = time.perf_counter()
-        loss = supervised_ce(engine, batch) / batch.num_targets
-        engine.backward(loss)
-        engine.step()
-        sync(ctx.device)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-    out = {"deepspeed": deepspeed.__version__, "zero_stage": 3, "shape": dict(B=B, K=K, L=L, N=N),
-           "losses": losses, "step_s": times}
-    if ctx.cuda:
-        out.update(max_allocated=torch.cuda.max_memory_allocated(ctx.device),
-                   max_reserved=torch.cuda.max_memory_reserved(ctx.device))
+
+# -- what runs, in which order ---------------------------------------------------------------------------
+def _setting(model: str, batch: int, cache: str, mode: str, gen: int | None = None) -> dict:
+    name = f"{model}/b{batch}/{cache}/{mode}" + (f"/gen{gen}" if gen else "")
+    return {"name": name, "model": model, "batch": batch, "cache": cache, "mode": mode, "gen": gen,
+            "purpose": "memory" if gen else "speed"}  # fmt: skip
+
+
+def nfe_settings(dry_run: bool = False, quick: bool = False) -> list[dict]:
+    """The decode settings, most telling first. On the GPU: LLaDA's compiled uncached batch 1 (TDLM's overhead,
+    kernels per NFE, host time per launch), the decode memory of a left-padded batch of 8 at the predicted shape
+    (where the full history weighs most), batch 8 compiled, the dual cache compiled, then eager (compiled / eager
+    ratios), Dream last. ``--quick``: the first four, no eager timing. A dry run: one compiled setting (dynamo's
+    eager backend; tests/test_compile.py traces every kind), the memory setting, then every eager one."""
+    S = _setting
+    if dry_run:
+        return ([S("llada-8b", 1, "none", "compiled"), S("llada-8b", 8, "none", "eager", 32)]
+                + [S(m, b, c, "eager") for b in (1, 8) for m in ("llada-8b", "dream-7b") for c in ("none", "dual")])
+    first = [S("llada-8b", 1, "none", "compiled"), S("llada-8b", 8, "none", "eager", 256),
+             S("llada-8b", 8, "none", "compiled"), S("llada-8b", 1, "dual", "compiled")]
+    if quick:
+        return first
+    return first + [S("llada-8b", 8, "dual", "compiled"), S("llada-8b", 1, "none", "eager", 256),
+                    S("llada-8b", 1, "none", "eager"), S("llada-8b", 1, "dual", "eager"),
+                    S("llada-8b", 8, "none", "eager"), S("llada-8b", 8, "dual", "eager"),
+                    S("dream-7b", 1, "none", "compiled"), S("dream-7b", 1, "dual", "compiled"),
+                    S("dream-7b", 1, "none", "eager"), S("dream-7b", 1, "dual", "eager"),
+                    S("dream-7b", 8, "none", "compiled"), S("dream-7b", 8, "dual", "compiled"),
+                    S("dream-7b", 8, "none", "eager"), S("dream-7b", 8, "dual", "eager")]  # fmt: skip
+
+
+def stage_items(stage: str, dry_run: bool, quick: bool) -> list[str]:
+    if stage == "train":
+        return ["all", "dispersed:4"] if dry_run else (["all"] if quick else ["all", "dispersed:16"])
+    if stage == "deepspeed":
+        return ["zero3"]
+    return [s["name"] for s in nfe_settings(dry_run, quick)]
+
+
+def stage_deadline(now: float, t0: float, deadline_s: float, cap_s: float | None) -> float:
+    """Absolute time at which a stage starting ``now`` is stopped: its cap, and never past the overall deadline
+    less the reserve the end of the run needs."""
+    end = t0 + deadline_s - RESERVE_S
+    return min(end, now + cap_s) if cap_s else end
+
+
+# -- GPU identity: which prediction rows apply ----------------------------------------------------------------
+def gpu_kind(name: str | None) -> str | None:
+    """"h200" or "gh200" (the rows of bench/true_shape.py's GPUS), or None: a GPU the predictions do not model.
+    A GH200's name contains "H200" too, so it is tested first; an H200 NVL runs at a lower power limit than the
+    SXM part the H200 rows assume (989 TFLOP/s, 4.8 TB/s)."""
+    n = (name or "").upper()
+    if "GH200" in n:
+        return "gh200"
+    if "H200" in n and "NVL" not in n:
+        return "h200"
+    return None
+
+
+def _for_gpu(value, kind: str):
+    """A prediction value kept per GPU ({"h200": ..., "gh200": ...}) -> this GPU's; any other value as it is."""
+    if isinstance(value, dict) and ({"h200", "gh200"} & set(value)):
+        return value.get(kind)
+    return value
+
+
+def select_predictions(pred: dict, kind: str | None) -> dict:
+    """The prediction rows that hold for a GPU of ``kind`` (None: none do), from true_shape.json:
+
+    * ``gpu_check``: ms per NFE of the nfe stage's settings, keyed (model, batch, cache); a row's GPU is its own
+      ``gpu`` field, else its section's (today the section is "h200");
+    * ``per_nfe``: ``nfe.<model>.per_nfe_ms`` (prompt 256 + 256, batch 1), keyed (model, label, cache) -> the
+      {graphs, launch, overlap, eager} of this GPU;
+    * ``decode_memory``, ``kernels``, ``launch_us``: device-independent counts and the stated launch cost, given
+      only for a known GPU (an unknown one is compared with nothing)."""
+    out: dict = {"kind": kind, "gpu_check": {}, "per_nfe": {}, "decode_memory": {}, "kernels": {}, "launch_us": None,
+                 "launch_us_at_target": {}}  # fmt: skip
+    if kind is None:
+        return out
+    sec = pred.get("gpu_check") or {}
+    for r in sec.get("rows", []):
+        if r.get("gpu", sec.get("gpu")) == kind:
+            out["gpu_check"][(r["model"], r["batch"], r["cache"])] = r
+    for model, n in (pred.get("nfe") or {}).items():
+        for key, v in (n.get("per_nfe_ms") or {}).items():
+            label, cache = key.split("|")
+            if _for_gpu(v, kind) is not None:
+                out["per_nfe"][(model, label, cache)] = _for_gpu(v, kind)
+        out["kernels"][model] = n.get("compiled_kernels") or {}
+        out["launch_us_at_target"][model] = n.get("launch_us_at_target") or {}
+    for model, m in (pred.get("decode_memory") or {}).items():
+        for r in m.get("rows", []):
+            out["decode_memory"][(model, r["policy"], r.get("history"), r["cache"], r["batch"])] = r
+    out["launch_us"] = pred.get("launch_us")
     return out
 
 
-STAGES = {"train": stage_train, "nfe": stage_nfe, "deepspeed": stage_deepspeed}
-PREDICTION = Path(__file__).resolve().parent / "results" / "true_shape.json"
+# -- test hooks ----------------------------------------------------------------------------------------------
+def hooks() -> list[tuple[str, str, str | None, float | None]]:
+    """(kind, stage, setting, value) from $TDLM_GPU_CHECK_HOOKS (module docstring); empty on real runs."""
+    out = []
+    for spec in filter(None, (s.strip() for s in os.environ.get(HOOKS_ENV, "").split(";"))):
+        spec, _, value = spec.partition("=")
+        kind, stage, *rest = spec.split(":", 2)
+        out.append((kind, stage, rest[0] if rest else None, float(value) if value else None))
+    return out
 
 
-def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) -> dict:
-    """Measured (this run's stage JSONs in ``out``) beside the true-shape prediction; printed and returned."""
-    if not prediction.exists():
-        print(f"[gpu_check] no prediction at {prediction}: run python bench/true_shape.py", flush=True)
-        return {"status": "skipped", "reason": f"{prediction} missing"}
-    pred = json.loads(prediction.read_text())
-    suffix = "_dryrun" if dry_run else ""
-    rows: list[dict] = []
-    train_path, nfe_path = out / f"gpu_train{suffix}.json", out / f"gpu_nfe{suffix}.json"
-    traced = {r["layers"]: r for r in pred.get("train", []) if r["model"] == "llada-8b" and "traced_peak" in r}
-    if train_path.exists():
-        for m in json.loads(train_path.read_text()).get("rows", []):
-            t = traced.get(m.get("layers"))
-            want = t["traced_peak"]["Total"] + 4 * t["temporal_params"] if t else None  # + bf16 AdamW m, v
-            rows.append({"what": f"train peak, llada-8b {m.get('layers')}, one process", "unit": "GiB",
-                         "measured": m.get("measured", 0) / 2**30 if m.get("status") == "ok" else None,
-                         "predicted": want / 2**30 if want else None,
-                         "planner": m.get("predicted", 0) / 2**30 or None})  # fmt: skip
-    nfe_pred = {(r["model"], r["batch"], r["cache"]): r for r in pred.get("gpu_check", {}).get("rows", [])}
-    if nfe_path.exists():
-        for m in json.loads(nfe_path.read_text()).get("rows", []):
-            p = nfe_pred.get((m["model"], m["batch"], m["cache"]))
-            for policy in ("threshold", "tdlm"):
-                pm = p[f"{policy}_ms_per_nfe"] if p else {}
-                rows.append({"what": f"ms/NFE {m['model']} b{m['batch']} {m['cache']} {m['mode']} {policy}",
-                             "unit": "ms", "measured": m.get(f"{policy}_ms_per_nfe"), "predicted": pm.get(m["mode"]),
-                             # compiled: the launches added (above) or issued asynchronously (here), and none
-                             "predicted_overlapped": pm.get("compiled_overlapped") if m["mode"] == "compiled" else None,
-                             "predicted_cuda_graphs": pm.get("cuda_graphs") if m["mode"] == "compiled" else None})
-                prof = m.get(f"{policy}_launches") or {}
-                count = pred.get("nfe", {}).get(m["model"], {}).get("compiled_kernels", {})
-                if prof.get("kernels_per_nfe") is not None and m["cache"] == "none":
-                    rows.append({"what": f"kernels/NFE {m['model']} b1 none compiled {policy}", "unit": "",
-                                 "measured": prof["kernels_per_nfe"],
-                                 "predicted": count.get("tdlm" if policy == "tdlm" else "backbone")})
-                if prof.get("busy_over_wall") is not None:
-                    rows.append({"what": f"GPU busy/wall {m['model']} b1 {m['cache']} compiled {policy}", "unit": "",
-                                 "measured": prof["busy_over_wall"], "predicted": None})
-    print(f"[gpu_check] measured beside predicted ({prediction.name}; H200 roofline{', dry run' if dry_run else ''}):")
-    for r in rows:
-        ratio = r["measured"] / r["predicted"] if r["measured"] and r["predicted"] else None
-        r["ratio"] = ratio
-        fmt = (lambda v: "   n/a" if v is None else f"{v:8.2f}")  # noqa: E731
-        more = "".join(f"  {label} {fmt(r[k])}" for k, label in (("predicted_overlapped", "overlapped"),
-                                                                  ("predicted_cuda_graphs", "CUDA graphs"))
-                       if r.get(k) is not None)  # fmt: skip
-        print(f"  {r['what']:48s} measured {fmt(r['measured'])} {r['unit']:3s} predicted {fmt(r['predicted'])}"
-              + ("" if ratio is None else f"  ratio {ratio:.2f}") + more, flush=True)  # fmt: skip
-    result = {"status": "ok", "prediction": str(prediction), "dry_run": dry_run, "rows": rows}
-    (out / f"predicted_vs_measured{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    return result
+def hook(kind: str, stage: str, setting: str | None = None) -> tuple | None:
+    return next((h for h in hooks() if h[:2] == (kind, stage) and h[2] in (None, setting)), None)
+
+
+# -- the parent: each stage in a child it can kill -------------------------------------------------------------
+class Interrupted(Exception):
+    """SIGTERM / SIGINT reached the parent: stop the child, keep what it wrote."""
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own group: inductor's compile workers go with it
+    proc.wait()
+
+
+def run_stage(stage: str, items: list[str], path: Path, until: float, args, cap_s: float) -> dict:
+    """Run ``items`` of ``stage`` in child processes until done or ``until`` (absolute); returns the stage JSON."""
+    t_start = time.time()
+    pending, state, children = list(items), {}, []
+    interrupted, error = None, None
+    while pending:
+        if time.time() >= until:
+            break
+        cmd = [sys.executable, str(CHILD), stage, "--items", json.dumps(pending), "--json", str(path)]
+        cmd += ["--dry-run"] if args.dry_run else []
+        proc = subprocess.Popen(cmd, process_group=0)
+        t_child, reason = time.time(), None
+        try:
+            while proc.poll() is None:
+                now = time.time()
+                if now >= until:
+                    reason = "deadline"
+                    break
+                running = read_json(path).get("running") if cap_s else None
+                if running and now - running["since"] > cap_s:
+                    reason = "cap"
+                    break
+                time.sleep(0.2)
+        except Interrupted as e:
+            reason, interrupted = "interrupted", e
+        finally:
+            if proc.poll() is None:  # whatever stopped the wait, no child outlives it
+                _kill(proc)
+        for tmp in path.parent.glob(f".{path.name}.*.tmp"):  # a write the kill cut short ($OUT returns 8 files)
+            tmp.unlink(missing_ok=True)
+        doc = read_json(path)
+        children.append({"pid": proc.pid, "rc": proc.returncode, "seconds": time.time() - t_child,
+                         "stopped": reason})  # fmt: skip
+        for row in doc.get("rows", []):
+            state.setdefault(row["item"], row.get("status", "ok"))
+        running = doc.get("running")
+        if running and running["item"] not in state:
+            why = {"deadline": f"stopped at the stage's deadline ({until - t_start:.0f} s)",
+                   "cap": f"stopped at the setting cap ({cap_s:.0f} s)", "interrupted": "the run was interrupted",
+                   None: f"the child process died (exit {proc.returncode})"}[reason]  # fmt: skip
+            row = {**running.get("partial", {}), "item": running["item"], "status": reason or "crashed",
+                   "error": why, "seconds": time.time() - running["since"]}  # fmt: skip
+            doc.setdefault("rows", []).append(row)
+            state[running["item"]] = row["status"]
+        restart = doc.pop("restart", False)
+        doc["running"] = None
+        write_json(path, doc)
+        pending = [i for i in pending if i not in state]
+        if proc.returncode != 0 and not reason and not running and not restart and doc.get("status") != "failed":
+            error = f"the child process exited {proc.returncode} outside a setting"
+        # A new child only goes on after a setting it had to give up (cap, crash, a CUDA error); one that declares
+        # the stage skipped or failed in its setup would do so again.
+        setup_said_no = doc.get("status") in ("skipped", "failed")
+        if reason in ("deadline", "interrupted") or not (running or restart) or setup_said_no:
+            break
+    doc = read_json(path) or {"stage": stage, "rows": []}
+    if error:
+        doc.setdefault("error", error)
+    for item in pending:
+        state.setdefault(item, "not run")
+    bad = {k: v for k, v in state.items() if v not in ("ok", "deadline", "cap", "not run", "interrupted")}
+    cut = [k for k, v in state.items() if v in ("deadline", "cap", "not run", "interrupted")]
+    if doc.get("status") not in ("skipped", "failed"):
+        doc["status"] = "failed" if bad or doc.get("error") else ("deadline" if cut else "ok")
+    if bad and "error" not in doc:
+        doc["error"] = f"{len(bad)} settings did not finish cleanly: {bad}"
+    doc.update(stage=stage, items={i: state.get(i, "not run") for i in items}, deadline_hit=bool(cut),
+               budget_s=until - t_start, seconds=time.time() - t_start, children=children, running=None)  # fmt: skip
+    write_json(path, doc)
+    if interrupted:
+        raise interrupted
+    return doc
+
+
+def _parse_caps(text: str) -> dict[str, float]:
+    caps = {}
+    for part in filter(None, text.split(",")):
+        name, _, sec = part.partition("=")
+        if name not in STAGE_ORDER or not sec:
+            raise SystemExit(f"error: --stage-deadline-s takes STAGE=SECONDS with STAGE in {', '.join(STAGE_ORDER)}")
+        caps[name] = float(sec)
+    return caps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,54 +312,76 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "bench/results",
                     help="folder for gpu_<stage>.json (default: $OUT, else bench/results)")
     ap.add_argument("--dry-run", action="store_true", help="toy size on the CPU: checks every stage's code path")
-    ap.add_argument("--stages", default=",".join(STAGES), help="comma list of " + ", ".join(STAGES))
-    ap.add_argument("--nfe-budget", type=float, default=300.0,
-                    help="seconds for the nfe stage's settings; later ones are recorded as skipped (0 = no limit)")
+    ap.add_argument("--quick", action="store_true", help="the subset: at most 240 s (module docstring)")
+    ap.add_argument("--stages", default=",".join(STAGE_ORDER), help="comma list, run in this order")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="overall wall limit from gpu_check.sh's start ($GPU_CHECK_T0); default 420, --quick 240")
+    ap.add_argument("--stage-deadline-s", default="", metavar="STAGE=S,...",
+                    help="per-stage caps (defaults: module docstring); a stage never runs past --deadline-s")
+    ap.add_argument("--setting-cap-s", type=float, default=0.0,
+                    help="stop one setting after this long and go on with the next in a new child (0: off)")
+    ap.add_argument("--nfe-settings", default="", help="comma list of nfe setting names to run (default: all)")
     args = ap.parse_args(argv)
+    t0 = float(os.environ.get("GPU_CHECK_T0") or time.time())
+    mode = "dry" if args.dry_run else ("quick" if args.quick else "full")
+    deadline_s = args.deadline_s or DEADLINE_S[mode]
+    caps = STAGE_CAP_S[mode] | _parse_caps(args.stage_deadline_s)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cuda = torch.cuda.is_available() and not args.dry_run
-    device = torch.device("cuda:0" if cuda else "cpu")
-    if not cuda and not args.dry_run:
-        print("error: no CUDA device; use --dry-run on a CPU", file=sys.stderr)
+    suffix = "_dryrun" if args.dry_run else ""
+    stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in STAGE_ORDER]
+    if unknown:
+        print(f"error: unknown stage(s) {unknown}; expected {', '.join(STAGE_ORDER)}", file=sys.stderr)
         return 2
-    dtype_name = "bf16" if cuda else "fp32"
-    cfg = TINY if args.dry_run else LLaDAConfig()
-    t0 = time.perf_counter()
-    backbone = build_backbone(cfg, device, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name], 0)
-    ctx = SimpleNamespace(cfg=cfg, device=device, cuda=cuda, dry_run=args.dry_run, dtype_name=dtype_name,
-                          backbone=backbone, nfe_budget=0.0 if args.dry_run else args.nfe_budget)
-    info = device_info(device) | {"dry_run": args.dry_run, "backbone_build_s": time.perf_counter() - t0}
-    failed = 0
-    for name in args.stages.split(","):
-        if name not in STAGES:
-            print(f"error: unknown stage {name!r}; expected {', '.join(STAGES)}", file=sys.stderr)
+    plan_items = {s: stage_items(s, args.dry_run, args.quick) for s in stages}
+    if args.nfe_settings and "nfe" in plan_items:
+        wanted = args.nfe_settings.split(",")
+        known = [s["name"] for s in nfe_settings(args.dry_run, False)]
+        if set(wanted) - set(known):
+            print(f"error: unknown nfe settings {sorted(set(wanted) - set(known))}; known: {known}", file=sys.stderr)
             return 2
-        t1 = time.perf_counter()
-        try:
-            result = STAGES[name](ctx)
-            result.setdefault("status", "ok")
-        except Exception as e:
-            failed += 1
-            result = {"status": "failed", "error": f"{type(e).__name__}: {e}"[:2000],
-                      "traceback": traceback.format_exc()[-4000:]}
-        result.update(stage=name, seconds=time.perf_counter() - t1, machine=info)
-        path = out / f"gpu_{name}{'_dryrun' if args.dry_run else ''}.json"
-        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"[gpu_check] {name}: {result['status']} in {result['seconds']:.1f} s -> {path}", flush=True)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        plan_items["nfe"] = wanted
+
+    def stop(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"[gpu_check] {mode} run: deadline {deadline_s:.0f} s from start ({time.time() - t0:.0f} s gone), "
+          f"stages {', '.join(stages)}", flush=True)  # fmt: skip
+    results: dict = {}
+    for p in [out / f"gpu_{s}{suffix}.json" for s in stages] + [out / f"predicted_vs_measured{suffix}.json"]:
+        p.unlink(missing_ok=True)  # an earlier run's file in the same folder would pass for this run's
+    try:
+        for stage in stages:
+            path = out / f"gpu_{stage}{suffix}.json"
+            until = stage_deadline(time.time(), t0, deadline_s, caps.get(stage))
+            if until - time.time() < MIN_STAGE_S:
+                doc = {"stage": stage, "status": "deadline", "rows": [], "deadline_hit": True,
+                       "items": {i: "not run" for i in plan_items[stage]}, "error": "no time left at its turn"}
+                write_json(path, doc)
+            else:
+                print(f"[gpu_check] {stage}: {len(plan_items[stage])} settings, until +{until - t0:.0f} s",
+                      flush=True)  # fmt: skip
+                doc = run_stage(stage, plan_items[stage], path, until, args, args.setting_cap_s)
+            results[stage] = doc
+            done = sum(v == "ok" for v in doc["items"].values())
+            print(f"[gpu_check] {stage}: {doc['status']} ({done} of {len(doc['items'])} settings ok) in "
+                  f"{doc.get('seconds', 0):.1f} s -> {path}", flush=True)  # fmt: skip
+    except Interrupted as e:
+        print(f"[gpu_check] interrupted ({e}): the finished settings are in {out}", file=sys.stderr, flush=True)
+    failed = sum(d.get("status") == "failed" for d in results.values())
+    from gpu_check_compare import beside_predicted  # here, not above: it imports this module
+
     try:
         beside_predicted(out, args.dry_run)
     except Exception as e:  # a comparison that cannot be made must not hide the stages' results
         failed += 1
         print(f"[gpu_check] measured-beside-predicted failed: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"[gpu_check] done in {time.time() - t0:.0f} s of {deadline_s:.0f}", flush=True)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    rc = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)  # a gloo/NCCL thread can abort interpreter shutdown (shared notes)
+    sys.exit(main())

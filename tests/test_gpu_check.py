@@ -1,53 +1,210 @@
-"""bench/gpu_check.sh --dry-run: every stage of the prepared GPU check runs at toy size on the CPU."""
+"""bench/gpu_check.sh: every stage at toy size on the CPU (--dry-run), its deadlines, its faults, and which
+prediction rows a GPU is held to. The stage-running tests plant faults with $TDLM_GPU_CHECK_HOOKS."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import gpu_check  # noqa: E402  (stdlib imports only: the parent side never imports torch)
+import gpu_check_stages  # noqa: E402  (the child's module; it imports torch only inside its stages)
+
+
+def run_check(tmp_path, *args: str, hooks: str = "", timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
+    env = os.environ | {"OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable,
+                        gpu_check.HOOKS_ENV: hooks}  # fmt: skip
+    env.pop("GPU_CHECK_T0", None)
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return proc, time.monotonic() - t0
+
+
+def stage(tmp_path, name: str) -> dict:
+    return json.loads((tmp_path / f"gpu_{name}_dryrun.json").read_text())
 
 
 def test_gpu_check_dry_run_writes_every_stage(tmp_path):
-    env = os.environ | {"OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc, _ = run_check(tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     stages = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("gpu_*_dryrun.json")}
     assert set(stages) == {"gpu_train_dryrun.json", "gpu_nfe_dryrun.json", "gpu_deepspeed_dryrun.json"}
     assert all(s["status"] == "ok" for s in stages.values()), {k: s.get("error") for k, s in stages.items()}
+    assert (tmp_path / "gpu_check_dryrun.log").read_text().count("[gpu_check]") > 10
     train = stages["gpu_train_dryrun.json"]
-    assert [r["layers"] for r in train["rows"]] == ["all", "dispersed:4"]
-    for row in train["rows"]:  # measured peak of real steps next to the plan
-        assert row["status"] == "ok" and 0.75 <= row["ratio"] <= 1.25, row
-    nfe = stages["gpu_nfe_dryrun.json"]["rows"]  # tdlm.decode: both models, batch 1 / 8, caches, eager / compiled
-    settings = {(r["model"], r["batch"], r["cache"], r["mode"]) for r in nfe}
+    assert [r["layers"] for r in train["rows"]] == ["all", "dispersed:4"] and train["loss_finite"] is True
+    for row in train["rows"]:  # measured peak of real steps next to the plan, every loss finite
+        assert row["status"] == "ok" and 0.75 <= row["ratio"] <= 1.25 and row["loss_finite"], row
+    nfe = stages["gpu_nfe_dryrun.json"]
+    order = [s["name"] for s in gpu_check.nfe_settings(dry_run=True)]
+    assert [r["item"] for r in nfe["rows"]] == order  # run in the planned order, each one recorded
+    assert order[0] == "llada-8b/b1/none/compiled"  # most telling first: TDLM's compiled overhead at batch 1
+    settings = {(r["model"], r["batch"], r["cache"], r["mode"]) for r in nfe["rows"]}
     assert {(m, b, c, "eager") for m in ("llada-8b", "dream-7b") for b in (1, 8) for c in ("none", "dual")} <= settings
-    assert ("llada-8b", 1, "none", "compiled") in settings
-    for r in nfe:
+    for r in nfe["rows"]:
         assert r["tdlm_over_backbone"] > 0 and r["threshold_nfe"] == r["tdlm_nfe"], r
         assert len(r["tdlm_nfe"]) == r["batch"]
-        if r["mode"] == "compiled":  # the launch profile (on a CPU: operator events, no device kernels)
+        if r["mode"] == "compiled":  # the launch profile (on a CPU: operators inside the compiled region)
             for policy in ("threshold", "tdlm"):
                 prof = r[f"{policy}_launches"]
-                assert prof["nfe"] == max(r[f"{policy}_nfe"]) and prof["cpu_events_per_nfe"] > 0, prof
+                assert prof["nfe"] == max(r[f"{policy}_nfe"]) and prof["regions_per_nfe"] >= 1, prof
+                assert prof["cpu_ops_in_region_per_nfe"] > 0 and prof["region_host_ms_per_nfe"] > 0, prof
+        if r["purpose"] == "memory":  # decode peak after a reset: the model's bytes plus what the decode adds
+            for policy in ("threshold", "tdlm"):
+                mem = r[f"{policy}_memory"]
+                assert mem["decode_peak"] > mem["model_bytes"] > 0, mem
     ds = stages["gpu_deepspeed_dryrun.json"]
-    assert ds["zero_stage"] == 3 and len(ds["losses"]) == 3 and all(x == x for x in ds["losses"])
+    assert ds["zero_stage"] == 3 and ds["loss_finite"] is True
+    (row,) = ds["rows"]
+    assert len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"]), row
+    assert "before the measured steps" in row["peak_reset"]["when"] and row["peak_delta"] > 0, row
+    assert row["planner"]["zero"] == 3 and row["planner"]["world_size"] == 1 and row["planner"]["total"] > 0
+    pvm = json.loads((tmp_path / "predicted_vs_measured_dryrun.json").read_text())
+    what = {r["what"]: r for r in pvm["rows"]}
+    assert what["DeepSpeed peak, dispersed:4, ZeRO-3 one rank"]["predicted"] == row["planner"]["total"] / 2**30
+    mem_rows = [r for w, r in what.items() if w.startswith("decode peak")]
+    assert len(mem_rows) == 2 and all(r["measured"] and r["predicted"] for r in mem_rows), mem_rows
+    assert pvm["stages"]["train"]["loss_finite"] is True and pvm["stages"]["deepspeed"]["loss_finite"] is True
 
 
-def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path):
-    env = os.environ | {"OUT": str(tmp_path), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    code = ("import sys\n"
-            "import bench.gpu_check as g\n"
-            "def boom(ctx): raise RuntimeError('planted')\n"
-            "g.STAGES['train'] = boom\n"
-            "raise SystemExit(g.main(['--dry-run', '--stages', 'train,nfe']))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    train = json.loads((tmp_path / "gpu_train_dryrun.json").read_text())
-    assert train["status"] == "failed" and "planted" in train["error"]
-    assert json.loads((tmp_path / "gpu_nfe_dryrun.json").read_text())["status"] == "ok"
+SLOW = ["llada-8b/b1/none/eager", "llada-8b/b1/dual/eager", "dream-7b/b1/none/eager"]
+
+
+def test_a_slow_setting_hits_the_deadline_and_every_finished_setting_stays(tmp_path):
+    # The second setting's tdlm policy hangs after its threshold policy finished: the overall deadline (60 s, less
+    # the 10 s reserve; a child's start takes 5-20 s on a busy 2-core machine) must stop the stage's child; the
+    # first setting and the second's threshold half remain.
+    proc, wall = run_check(tmp_path, "--stages", "nfe", "--nfe-settings", ",".join(SLOW), "--deadline-s", "60",
+                           hooks=f"sleep:nfe:{SLOW[1]}@tdlm=150", timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert wall < 70, f"the deadline did not stop the run: {wall:.0f} s"
+    nfe = stage(tmp_path, "nfe")
+    assert nfe["status"] == "deadline" and nfe["deadline_hit"], nfe.get("items")
+    assert nfe["items"] == {SLOW[0]: "ok", SLOW[1]: "deadline", SLOW[2]: "not run"}
+    rows = {r["item"]: r for r in nfe["rows"]}
+    assert rows[SLOW[0]]["tdlm_ms_per_nfe"] > 0 and rows[SLOW[0]]["status"] == "ok"
+    assert rows[SLOW[1]]["threshold_ms_per_nfe"] > 0 and "tdlm_ms_per_nfe" not in rows[SLOW[1]]
+    assert nfe["children"][0]["stopped"] == "deadline"
+    pid = nfe["children"][0]["pid"]
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    pvm = json.loads((tmp_path / "predicted_vs_measured_dryrun.json").read_text())
+    assert pvm["stages"]["nfe"]["items"][SLOW[1]] == "deadline"
+
+
+def test_a_setting_past_its_cap_or_with_a_cuda_error_is_given_up_and_the_next_runs_in_a_new_child(tmp_path):
+    settings = [*SLOW, "dream-7b/b1/dual/eager"]
+    proc, _ = run_check(tmp_path, "--stages", "nfe", "--nfe-settings", ",".join(settings), "--setting-cap-s", "6",
+                        hooks=f"sleep:nfe:{settings[1]}=90;cudaerror:nfe:{settings[2]}", timeout=400)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]  # the CUDA error is a failure
+    nfe = stage(tmp_path, "nfe")
+    assert nfe["items"] == dict(zip(settings, ["ok", "cap", "failed", "ok"], strict=True)), nfe["items"]
+    assert [(c["stopped"], c["rc"]) for c in nfe["children"]] == [("cap", -9), (None, 3), (None, 0)]
+    assert nfe["status"] == "failed" and "CUDA error" in nfe["rows"][2]["error"]
+
+
+def test_a_failing_setting_and_a_nan_loss_are_failures_and_the_next_stage_still_runs(tmp_path):
+    proc, _ = run_check(tmp_path, "--stages", "train,deepspeed", hooks="raise:train:all;nan:deepspeed")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    train = stage(tmp_path, "train")
+    assert train["status"] == "failed" and train["items"] == {"all": "failed", "dispersed:4": "ok"}
+    assert "planted" in train["rows"][0]["error"] and train["rows"][1]["loss_finite"] is True
+    ds = stage(tmp_path, "deepspeed")
+    (row,) = ds["rows"]
+    assert ds["status"] == "failed" and ds["loss_finite"] is False, ds.get("error")
+    assert row["loss_finite"] is False and "non-finite loss" in row["error"] and len(row["losses"]) == 3
+    pvm = json.loads((tmp_path / "predicted_vs_measured_dryrun.json").read_text())
+    assert pvm["stages"]["deepspeed"]["loss_finite"] is False
+
+
+def test_stage_deadlines_keep_inside_the_overall_deadline():
+    t0 = 1000.0
+    assert gpu_check.stage_deadline(t0, t0, 420, 75) == t0 + 75
+    assert gpu_check.stage_deadline(t0 + 400, t0, 420, 75) == t0 + 420 - gpu_check.RESERVE_S
+    assert gpu_check.stage_deadline(t0 + 100, t0, 420, None) == t0 + 420 - gpu_check.RESERVE_S
+    full, quick = gpu_check.DEADLINE_S["full"], gpu_check.DEADLINE_S["quick"]
+    assert full <= 420 and quick <= 240  # 7 and 4 minutes: 15 device-minutes leave room for a rerun
+    for mode, total in (("full", full), ("quick", quick)):
+        assert sum(gpu_check.STAGE_CAP_S[mode].values()) + gpu_check.RESERVE_S < total / 2  # nfe keeps the most
+    quick_nfe = gpu_check.nfe_settings(quick=True)
+    assert all(s["mode"] == "compiled" or s["purpose"] == "memory" for s in quick_nfe)  # no eager timing
+    assert gpu_check.nfe_settings()[: len(quick_nfe)] == quick_nfe
+
+
+def test_gpu_names_select_only_their_own_prediction_rows():
+    assert gpu_check.gpu_kind("NVIDIA H200") == "h200"
+    assert gpu_check.gpu_kind("NVIDIA GH200 480GB") == "gh200"
+    assert gpu_check.gpu_kind("NVIDIA GH200 144G HBM3e") == "gh200"
+    for other in ("NVIDIA H100 80GB HBM3", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "", None):
+        assert gpu_check.gpu_kind(other) is None
+    pred = {
+        "gpu_check": {"gpu": "h200", "rows": [
+            {"model": "llada-8b", "batch": 1, "cache": "none", "threshold_ms_per_nfe": {"compiled": 7.0}},
+            {"model": "llada-8b", "batch": 1, "cache": "dual", "gpu": "gh200",
+             "threshold_ms_per_nfe": {"compiled": 9.0}},
+        ]},
+        "nfe": {"llada-8b": {"per_nfe_ms": {"backbone|none": {"h200": {"eager": 17.0}, "gh200": {"eager": 18.0}}},
+                             "compiled_kernels": {"backbone": 418}}},
+        "decode_memory": {"llada-8b": {"rows": [{"policy": "tdlm", "history": "full", "cache": "none", "batch": 8,
+                                                 "peak": {"Total": 1}}]}},
+        "launch_us": 5.0,
+    }  # fmt: skip
+    h200 = gpu_check.select_predictions(pred, gpu_check.gpu_kind("NVIDIA H200"))
+    assert set(h200["gpu_check"]) == {("llada-8b", 1, "none")}
+    assert h200["per_nfe"][("llada-8b", "backbone", "none")] == {"eager": 17.0}
+    gh200 = gpu_check.select_predictions(pred, gpu_check.gpu_kind("NVIDIA GH200 480GB"))
+    assert set(gh200["gpu_check"]) == {("llada-8b", 1, "dual")}  # never the H200 section's rows
+    assert gh200["per_nfe"][("llada-8b", "backbone", "none")] == {"eager": 18.0}
+    none = gpu_check.select_predictions(pred, gpu_check.gpu_kind("NVIDIA H100 80GB HBM3"))
+    assert none["gpu_check"] == {} and none["per_nfe"] == {} and none["decode_memory"] == {}
+    assert none["launch_us"] is None and none["kernels"] == {}
+    real = json.loads(gpu_check.PREDICTION.read_text())  # today's file: H200 rows for the checked settings
+    assert len(gpu_check.select_predictions(real, "h200")["gpu_check"]) == len(real["gpu_check"]["rows"])
+    assert gpu_check.select_predictions(real, "gh200")["gpu_check"] == {}
+
+
+def test_kernels_and_host_time_are_counted_inside_the_compiled_region_only():
+    us = 1000  # ns
+    ev = [  # (name, start_ns, duration_ns, on_device, correlation_id)
+        ("Torch-Compiled Region: 0/0", 0, 100 * us, False, 1),
+        ("cudaLaunchKernel", 10 * us, 2 * us, False, 11),
+        ("cuLaunchKernel", 50 * us, 4 * us, False, 12),
+        ("cudaMemcpyAsync", 60 * us, 1 * us, False, 13),
+        ("cudaLaunchKernel", 150 * us, 2 * us, False, 14),  # the loop's own eager kernel, outside
+        ("Torch-Compiled Region: 0/0", 200 * us, 100 * us, False, 2),
+        ("cuLaunchKernelEx", 250 * us, 2 * us, False, 15),
+        ("triton_poi_fused_0", 20 * us, 5 * us, True, 11),
+        ("ampere_bf16_gemm", 60 * us, 9 * us, True, 12),
+        ("Memcpy HtoD (Pageable -> Device)", 61 * us, 1 * us, True, 13),
+        ("elementwise_kernel", 160 * us, 1 * us, True, 14),
+        ("triton_red_fused_1", 260 * us, 3 * us, True, 15),
+    ]
+    out = gpu_check_stages.region_counts(ev, evals=2)
+    assert out["kernels_per_nfe_compiled"] == 1.5 and out["kernels_per_nfe_compiled_device"] == 1.5
+    assert out["launches_outside_per_nfe"] == 0.5 and out["kernels_per_nfe_all"] == 2.0
+    assert out["copies_in_region_per_nfe"] == 0.5 and out["regions_per_nfe"] == 1.0
+    assert out["host_us_per_launch"] == 200 / 3  # the regions' host wall / the kernels launched inside them
+    assert out["launch_api_us_mean"] == 8 / 3 and out["region_host_ms_per_nfe"] == 0.1
+
+
+def test_fetch_names_the_wheels_of_the_asked_architecture():
+    def fetch(*args: str) -> str:
+        proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--fetch", *args, "--print"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    x86, arm = fetch(), fetch("--arch", "aarch64")
+    assert "manylinux2014_x86_64" in x86 and "aarch64" not in x86
+    assert "manylinux_2_17_aarch64" in arm and "manylinux2014_aarch64" in arm and "x86_64" not in arm
+    assert "pydantic-core" in arm and "deepspeed==" in arm  # DeepSpeed's wheel is py3-none-any: both
+    bad = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--fetch", "--arch", "ppc64le", "--print"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "x86_64 or aarch64" in bad.stderr
