@@ -4,10 +4,12 @@
   speedup over the original model (one table per backbone / budget);
 * :func:`history_table` - Table 2: one adapter and tau, rows = inference-time history restrictions;
 * :func:`allocation_table` - Table 4: rows = adapters (temporal-layer allocations) at one tau / history;
-* :func:`detail_table` - every run with both speedups and NFE ratios (the sweep behind Figure 1).
+* :func:`detail_table` - every run with both speedups and NFE ratios (the sweep behind Figure 1);
+* :func:`paired_table` - every run against a reference run on the same problems (:mod:`tdlm.evaluation.paired`):
+  accuracy difference with its paired-bootstrap interval, exact McNemar p, NFE and seconds ratios with intervals.
 
 Everything reads plain run dicts (``runs/<task>/<run>/summary.json``), so ``eval/compare.py`` renders the
-same tables from files without W&B.
+same tables from files without W&B; the paired table also reads each run's ``samples.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from tdlm.errors import TDLMError
 from tdlm.evaluation.config import RUN_ORDER as POLICY_ORDER  # the paper's row order
+from tdlm.evaluation.paired import CONFIDENCE, DEFAULT_REFERENCE, RESAMPLES, SEED, paired_against
 from tdlm.tasks import TASK_NAMES
 
 TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH-500", "mbpp": "MBPP", "arith": "Arith"}
@@ -211,11 +214,70 @@ def detail_table(runs: Sequence[dict]) -> str:
     return _table(header, body)
 
 
-def render(runs: Sequence[dict]) -> str:
-    """All applicable tables as one Markdown document."""
+def _signed_pp(v: float) -> str:
+    return f"{100 * v:+.2f}".replace("-", "−")  # a typographic minus lines up with "+"
+
+
+def _p(p: float) -> str:
+    return "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def _ratio_ci(v: float | None, ci: Sequence[float] | None) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.2f}×" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
+
+
+def paired_table(runs: Sequence[dict], reference: str = DEFAULT_REFERENCE,
+                 samples: Mapping[str, Sequence[dict]] | None = None) -> str:  # fmt: skip
+    """Every run against the run named ``reference`` of its backbone, task, budget and block size, paired by sample
+    id (:func:`tdlm.evaluation.paired.paired_against`): one row per run, the reason beneath when a row has no
+    numbers. ``samples`` (run_dir -> scored records) spares reading ``samples.jsonl`` files."""
+    paired = paired_against(runs, reference, samples)
+    pct = f"{100 * CONFIDENCE:g}%"
+    header = ["Backbone", "Task", "Method", "n", f"Δacc (pp) [{pct} CI]", "McNemar p (b/c)",
+              f"NFE ratio [{pct} CI]", f"s ratio [{pct} CI]"]  # fmt: skip
+    body: list[list[str]] = []
+    notes: dict[str, int] = {}  # reason -> its number (a group without a reference: one note for all its rows)
+    refs = 0
+    order = sorted(range(len(runs)), key=lambda i: (str(runs[i].get("backbone_id") or runs[i]["backbone"]),
+                                                    _tasks([runs[i]])[0], sort_key(runs[i])))  # fmt: skip
+    for i in order:
+        r, p = runs[i], paired[i]
+        head = [str(r.get("backbone_id") or r["backbone"]), TASK_TITLES.get(r["task"], r["task"]), method_label(r)]
+        if p.get("is_reference"):
+            refs += 1
+            body.append([*head, str(r["n"]), "reference", "–", "–", "–"])
+        elif "skipped" in p:
+            k = notes.setdefault(p["skipped"], len(notes) + 1)
+            body.append([*head, str(r["n"]), f"– ({k})", "–", "–", "–"])
+        else:
+            lo, hi = p["accuracy_diff_ci"]
+            body.append([*head, str(p["n"]), f"{_signed_pp(p['accuracy_diff'])} [{_signed_pp(lo)}, {_signed_pp(hi)}]",
+                         f"{_p(p['mcnemar_p'])} ({p['run_only_correct']}/{p['reference_only_correct']})",
+                         _ratio_ci(p["nfe_ratio"], p["nfe_ratio_ci"]),
+                         _ratio_ci(p["seconds_ratio"], p["seconds_ratio_ci"])])  # fmt: skip
+    if not refs:
+        return f"No reference run `{reference}` found: no paired comparison (choose one with `--reference NAME`)."
+    lead = (f"Against `{reference}` of the same backbone, task, budget and block size, on the same problems "
+            f"(paired by sample id). Δacc = run − reference accuracy in points; b / c = problems only the run / "
+            f"only the reference solved; McNemar p: exact two-sided binomial test of b against b + c; ratios = "
+            f"reference mean ÷ run mean (> 1: the run needs fewer NFE / seconds). Intervals: {pct} percentile "
+            f"paired bootstrap over problems, {RESAMPLES} resamples, seed {SEED}; samples of one batch share "
+            f"its wall time, so the seconds interval is optimistic.")  # fmt: skip
+    text = lead + "\n\n" + _table(header, body)
+    if notes:
+        text += "\n\n" + "\n".join(f"- ({k}) {note}" for note, k in notes.items())
+    return text
+
+
+def render(runs: Sequence[dict], reference: str = DEFAULT_REFERENCE,
+           samples: Mapping[str, Sequence[dict]] | None = None) -> str:  # fmt: skip
+    """All applicable tables as one Markdown document; ``reference`` / ``samples``: :func:`paired_table`."""
     if not runs:
         return "(no runs)\n"
     parts = ["## Main comparison (Table 1)", main_table(runs)]
+    parts += ["## Paired comparison on the same problems", paired_table(runs, reference, samples)]
     hist = history_table(runs)
     if hist:
         parts += ["## History restriction (Table 2)", hist]
@@ -231,7 +293,8 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
 
     An output dir contributes every ``runs/<task>/<run>/summary.json`` it holds (also runs of earlier
     invocations with other sweeps, and a partly finished evaluation); a dir without ``runs/`` its own
-    ``summary.json``. Duplicates (the same run dir twice) are dropped.
+    ``summary.json``. Duplicates (the same run dir twice) are dropped. Each run gets ``summary_file``, the
+    file it was read from (where :func:`tdlm.evaluation.paired.samples_path` looks for its samples).
     """
     runs: list[dict] = []
     seen: set[str] = set()
@@ -259,5 +322,8 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[dict]:
                 key = r.get("run_dir") or json.dumps(r, sort_keys=True)
                 if key not in seen:
                     seen.add(key)
+                    # where it was read: the paired table finds samples.jsonl there when run_dir is another
+                    # machine's path (an output dir copied off the cluster)
+                    r["summary_file"] = str(f.resolve())
                     runs.append(r)
     return runs

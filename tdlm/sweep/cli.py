@@ -106,6 +106,11 @@ def compare_main(argv: list[str] | None = None) -> int:
     p.add_argument("paths", nargs="+", help="evaluation output dirs, run dirs, summary.json files or sweep folders")
     p.add_argument("--reference-tau", type=float, default=0.9,
                    help="tau of the threshold run used for the 'vs threshold' speedup (default: 0.9)")  # fmt: skip
+    p.add_argument("--reference", metavar="RUN",
+                   help="run name (its folder under runs/<task>/, e.g. threshold-tau0.9, original, "
+                        "tdlm-LABEL-tau0.9-full) every run is compared with on the same problems: accuracy difference "
+                        "with a paired-bootstrap interval, exact McNemar p, NFE and seconds ratios "
+                        "(default: threshold-tau<--reference-tau>)")  # fmt: skip
     p.add_argument("--markdown", help="also write the tables to this file")
     p.add_argument("--plots-dir", help="also write pareto_<task>.png plots of all runs to this folder")
     args = p.parse_args(argv)
@@ -115,7 +120,8 @@ def compare_main(argv: list[str] | None = None) -> int:
         for sweep in sweeps:  # a sweep's evaluations: eval/baselines and eval/<allocation>
             paths += [str(d) for d in sorted(Path(sweep).glob("eval/*")) if (d / "runs").is_dir()]
         runs = compute_speedups(load_runs(paths), args.reference_tau) if paths else []
-        table = "".join(table4(sweep) + "\n" for sweep in sweeps) + render(runs)
+        reference = args.reference or f"threshold-tau{args.reference_tau:g}"
+        table = "".join(table4(sweep) + "\n" for sweep in sweeps) + render(runs, reference)
         if args.markdown:
             Path(args.markdown).write_text(table)
         if args.plots_dir:
