@@ -168,3 +168,25 @@ def test_a_single_row_keeps_the_dual_cache_promises_past_block_8(name, alignment
     # look their positions' columns up and correct the whole window).
     assert all(e.front is None and not e.suffix and not e.aligned for e in seen_off), seen_off
     assert all(e.scattered for e in seen_off if e.refresh), seen_off
+
+
+MULTI = [("tiny-llada", "prediction", 12, 36), ("tiny-llada", "prediction", 16, 32),
+         ("tiny-dream", "prediction", 12, 36), ("tiny-dream", "position", 16, 32)]  # fmt: skip
+PROMPTS = [PROMPT, [3, 4, 40, 41, 50, 51, 52, 53, 54], [3, 4, 60, 61, 62, 63, 64, 65, 66]]
+
+
+@pytest.mark.parametrize("name,alignment,bs,G", MULTI, ids=[f"{c[0]}-{c[1]}-block{c[2]}" for c in MULTI])
+def test_several_rows_under_the_dual_cache_equal_each_row_alone_past_block_8(name, alignment, bs, G):
+    """Three rows under the dual cache at block 12 or 16: the window's front is derived from each row's blocks
+    (``window_front``: n0 + (k - k0) x block_size columns); rows that change block at different evaluations decode
+    as each row alone. A front counted in blocks of 8 passes every block-8 test and changes a row's tokens here."""
+    model = live_tdlm(spread_backbone(name), history="full")
+    model.config.alignment = alignment
+    model.offset = model.backbone.logit_shift if alignment == "prediction" else 0
+    kw = {"policy": "tdlm", "threshold": 0.25, "cache": "dual", "gen_length": G, "block_size": bs}
+    together = decode(model, PROMPTS, **kw)
+    alone = [decode(model, [p], **kw)[0] for p in PROMPTS]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert [r.nfe for r in together] == [r.nfe for r in alone]
+    assert [r.reveal_step for r in together] == [r.reveal_step for r in alone]
+    assert len({r.nfe for r in alone}) > 1 or len({tuple(r.reveal_step) for r in alone}) > 1  # rows out of step
