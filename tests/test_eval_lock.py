@@ -102,6 +102,55 @@ def test_a_file_in_place_of_the_folder_is_one_line(tmp_path):
         FolderLock(tmp_path / "out").acquire()
 
 
+# -- the evaluator holds the lock -------------------------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every path under ``root`` with its kind, mtime and bytes: what a refused evaluator must leave as it was."""
+    return {str(p.relative_to(root)): (p.is_dir(), p.stat().st_mtime_ns, None if p.is_dir() else p.read_bytes())
+            for p in sorted(root.rglob("*"))}  # fmt: skip
+
+
+def test_evaluator_refuses_a_folder_another_process_holds_before_writing(tmp_path, capsys):
+    """The evaluator's own entry point (``eval/run.py``'s ``main``, in this process: no model is loaded before the
+    refusal) on a folder whose lock another process holds: exit status 2, one line naming the folder and the holder,
+    and the folder exactly as it was (no run dirs, no run.json, no summary, the holder's line untouched)."""
+    from tdlm.evaluation.cli import main
+
+    out = tmp_path / "eval"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "earlier.txt").write_text("an earlier run's file\n")
+    code = textwrap.dedent(f"""
+        import sys
+        from tdlm.data.folder_lock import FolderLock
+        with FolderLock({str(out)!r}, "evaluation"):
+            print("held", flush=True)
+            sys.stdin.read()  # until the test closes it
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder_line = (out / LOCK).read_text().strip()
+        assert holder_line.startswith(f"pid {holder.pid} on ")
+        before = _snapshot(out)
+        capsys.readouterr()
+        status = main(["--backbone", "tiny-arith", "--tasks", "arith", "--limit", "2", "--workers", "1",
+                       "--threads", "1", "--warmup", "0", "--score-workers", "1", "--output-dir", str(out),
+                       "--wandb-mode", "disabled"])  # fmt: skip
+        err = capsys.readouterr().err
+        assert _snapshot(out) == before, "the refused evaluator wrote into the locked folder"
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1, err
+        assert lines[0] == (f"error: {out}: another evaluation is writing this folder ({holder_line}, holding "
+                            f"{out / LOCK}); wait for it to end, stop it, or choose another --output-dir")  # fmt: skip
+        with pytest.raises(TDLMError, match="another evaluation is writing"):  # the holder still holds it
+            FolderLock(out, "evaluation").acquire()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert holder.returncode == 0
+    assert (out / LOCK).read_text() == ""  # the holder released it cleanly
+
+
 # -- real evaluator runs -------------------------------------------------------------------------------
 @needs_data
 @pytest.mark.slow

@@ -4,15 +4,21 @@ Why the drivers check themselves: an actor on a node that died may be held by Ra
 for a restart that no node has room for (the survivors' CPUs are held by our other actors), and a driver whose head
 (GCS) died learns nothing from Ray: its calls block, or the process exits in Ray's C++ code without a word. The head
 is probed with a TCP connect to the GCS port (no Ray call, so it cannot block); only while it answers are the dead
-nodes read from the GCS (``ray.nodes()``). It lives in the data layer, below both drivers (siblings that may not
-import each other), beside the folder lock they share.
+nodes read from the GCS (``ray.nodes()``), in a thread the driver waits for only briefly: a read the GCS dies during
+blocks until Ray's 60 s reconnect limit and then exits the process from C++ ("Failed to connect to GCS within 60
+seconds"; measured on a Ray job driver whose ``ray.nodes()`` call met the SIGKILL of the GCS: no one-line error), a
+window of a few milliseconds per second that the three-node head-loss test (tests/test_ray_cluster.py) can hit. It
+lives in the data layer, below both drivers (siblings that may not import each other), beside the folder lock they
+share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 from tdlm.errors import TDLMError
 
@@ -22,6 +28,7 @@ class HeadLost(TDLMError):
 
 
 _HEAD_LOST = False
+READ_WAIT_S = 0.5  # how long a check waits for the dead-node read (it takes milliseconds from a live GCS)
 
 
 def head_lost() -> bool:
@@ -31,16 +38,24 @@ def head_lost() -> bool:
 
 
 class ClusterWatch:
-    """Checked by a driver between results: :meth:`check` raises :class:`HeadLost`, else returns the dead nodes."""
+    """Checked by a driver between results: :meth:`check` raises :class:`HeadLost`, else returns the dead nodes.
 
-    def __init__(self, timeout_s: float, interval_s: float = 1.0) -> None:
-        import ray
+    ``address`` ("host:port" of the GCS) and ``nodes`` (what ``ray.nodes()`` returns) default to the connected Ray
+    cluster's; a test passes its own, so the watch runs without Ray."""
 
-        self.address = ray.get_runtime_context().gcs_address  # "host:port" of the GCS
+    def __init__(self, timeout_s: float, interval_s: float = 1.0, address: str | None = None,
+                 nodes: Callable[[], list[dict]] | None = None) -> None:  # fmt: skip
+        if address is None or nodes is None:
+            import ray
+
+            address = address or ray.get_runtime_context().gcs_address
+            nodes = nodes or ray.nodes
+        self.address, self.nodes = address, nodes
         self.timeout_s, self.interval_s = timeout_s, interval_s
         self.last_ok = self.last_probe = time.monotonic()
         self.dead_nodes: set[str] = set()
         self.lost = False
+        self._reader: threading.Thread | None = None
 
     def head_answers(self) -> bool:
         host, _, port = self.address.rpartition(":")
@@ -65,8 +80,20 @@ class ClusterWatch:
                                f"{where}: rerun the same command on a running cluster to resume")  # fmt: skip
             return self.dead_nodes
         self.last_ok = now
-        import ray
-
-        with contextlib.suppress(Exception):  # a GCS that is going away: keep the last answer
-            self.dead_nodes = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+        self._read_dead_nodes()
         return self.dead_nodes
+
+    def _read_dead_nodes(self) -> None:
+        """Refresh :attr:`dead_nodes` from the GCS in a daemon thread, waiting at most ``READ_WAIT_S`` for it; a read
+        still running (a GCS that died or hangs) is not started again and never waited for again: the TCP probe then
+        fails (or the next read answers) and :meth:`check` decides from that."""
+        if self._reader is not None and self._reader.is_alive():
+            return
+
+        def read() -> None:
+            with contextlib.suppress(Exception):  # a GCS that is going away: keep the last answer
+                self.dead_nodes = {n["NodeID"] for n in self.nodes() if not n.get("Alive", True)}
+
+        self._reader = threading.Thread(target=read, name="tdlm-cluster-watch", daemon=True)
+        self._reader.start()
+        self._reader.join(READ_WAIT_S)
