@@ -283,3 +283,30 @@ def test_other_data_is_not_paired(tmp_path):
         if r["name"] == "tdlm-d16-tau0.9-full":
             r["task_source"] = "hub:openai/gsm8k/main/train"
     assert "other data: hub:openai/gsm8k/main/train" in paired_table(runs)
+
+
+def test_the_evaluator_records_paired_comparisons_and_refuses_an_unknown_reference(tmp_path, capsys):
+    """eval/run.py end to end on tiny-arith: every run's summary carries its paired comparison against the reference
+    (the reference itself marked), the job summary records seed and resamples, table.md shows the paired section;
+    a --reference that names no run of the grid is one line before anything is decoded."""
+    from tdlm.evaluation.cli import main
+
+    out = tmp_path / "eval"
+    args = ["--backbone", "tiny-arith", "--tasks", "arith", "--limit", "6", "--workers", "1", "--threads", "1",
+            "--warmup", "0", "--score-workers", "1", "--policies", "original", "threshold", "--gen-length", "8",
+            "--block-size", "8", "--dtype", "float32", "--output-dir", str(out), "--wandb-mode", "disabled"]
+    assert main([*args, "--reference", "threshold-tau0.8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: reference='threshold-tau0.8' is not a run of this evaluation")
+    assert not (out / "runs").exists()
+    assert main(args) == 0
+    job = json.loads((out / "summary.json").read_text())
+    assert job["paired"]["reference"] == "threshold-tau0.9"
+    assert (job["paired"]["seed"], job["paired"]["resamples"]) == (SEED, RESAMPLES)
+    by_name = {r["name"]: r for r in job["runs"]}
+    assert by_name["threshold-tau0.9"]["paired"]["is_reference"]
+    orig = by_name["original"]["paired"]
+    assert orig["n"] == 6 and orig["seed"] == SEED and len(orig["accuracy_diff_ci"]) == 2
+    run_summary = json.loads((Path(by_name["original"]["run_dir"]) / "summary.json").read_text())
+    assert run_summary["paired"] == orig
+    assert "Paired comparison on the same problems" in (out / "table.md").read_text()

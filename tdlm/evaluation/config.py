@@ -89,8 +89,15 @@ class EvalConfig:
     # cgroup / seccomp ...); True scores anyway and records the weakened guarantees in every sample row
     allow_weak_sandbox: bool = False
     reference_tau: float = DecodeConfig.threshold  # threshold baseline of the "vs threshold" speedup
+    # the run every other is compared with on the same problems (paired accuracy difference, McNemar, NFE and
+    # seconds ratios; tdlm.evaluation.paired), by its run name; None: threshold-tau<reference_tau>
+    reference: str | None = None
 
     # -- checks --------------------------------------------------------------------------------
+    def reference_run(self) -> str:
+        """The run name of the paired comparisons' reference."""
+        return self.reference or f"threshold-tau{self.reference_tau:g}"
+
     def resolved_policies(self) -> list[str]:
         if self.policies is not None:
             return list(self.policies)
@@ -298,7 +305,8 @@ FLAGS: dict[str, Flag] = {
     **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
                                     "max_task_retries", "max_shard_attempts", "head_timeout_s")},
     **{k: Flag(group=SCORING) for k in ("score_workers", "code_timeout_s", "code_cpu_s", "allow_weak_sandbox")},
-    **{k: Flag(group=OUTPUT) for k in ("output_dir", "group", "project", "tags", "reference_tau")},
+    **{k: Flag(group=OUTPUT) for k in ("output_dir", "group", "project", "tags", "reference_tau",
+                                    "reference")},
     "wandb_mode": Flag(choices=("online", "offline", "disabled"), group=OUTPUT),
 }
 

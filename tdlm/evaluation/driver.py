@@ -58,6 +58,8 @@ from tdlm.evaluation.config import (
     read_adapter_config,
 )
 from tdlm.evaluation.metrics import aggregate, compute_speedups
+from tdlm.evaluation.paired import attach_paired, wandb_metrics
+from tdlm.evaluation.paired import settings as paired_settings
 from tdlm.evaluation.plot import plot_all
 from tdlm.evaluation.records import done_ids, merge, read_records, shard_of
 from tdlm.evaluation.report import method_label, render
@@ -137,6 +139,10 @@ def backbone_id(name_or_path: str) -> str:
 def plan_runs(cfg: EvalConfig) -> list[Plan]:
     """Expand the grid, load tasks, and check/write every run's identity (``run.json``)."""
     specs = expand(cfg)
+    if cfg.reference is not None and cfg.reference not in {s.name for s in specs}:
+        names = sorted({s.name for s in specs})
+        raise TDLMError(f"reference={cfg.reference!r} is not a run of this evaluation; expected one of "
+                        f"{', '.join(names)}")  # fmt: skip
     tasks = {t: load_task(t, cfg.data_dir, cfg.limit) for t in cfg.tasks}
     for t, task in tasks.items():
         if not task.problems:
@@ -567,7 +573,7 @@ def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> 
                       job_type="eval", tags=tags)  # fmt: skip
     if summary.get("adapter"):  # W&B lineage: this run read the artifact the training run logged
         tracker.use_adapter(summary["adapter"], (summary.get("trained_by") or {}).get("id"))
-    tracker.log({k: summary[k] for k in NUMERIC if summary.get(k) is not None}, step=0)
+    tracker.log({**{k: summary[k] for k in NUMERIC if summary.get(k) is not None}, **wandb_metrics(summary)}, step=0)
     if tracker.run is not None:
         import wandb
 
@@ -695,6 +701,8 @@ def _evaluate(cfg: EvalConfig, out: Path, t0: float) -> EvalResult:
     bb_id = backbone_id(cfg.backbone)
     runs = [run_summary(cfg, plan, samples, bb_id) for plan, samples in zip(plans, scored, strict=True)]
     compute_speedups(runs, cfg.reference_tau)
+    reference = cfg.reference_run()
+    attach_paired(runs, reference, {s["run_dir"]: smp for s, smp in zip(runs, scored, strict=True)})
     if sandbox is not None:  # the isolation level is part of each code run's record and W&B config
         from tdlm.evaluation.scoring import CODE_TASKS
 
@@ -708,12 +716,13 @@ def _evaluate(cfg: EvalConfig, out: Path, t0: float) -> EvalResult:
             before = (plan.run_dir / SUMMARY).read_text() if (plan.run_dir / SUMMARY).exists() else None
             log_run(cfg, group, summary, samples)
             changed |= before != (plan.run_dir / SUMMARY).read_text()
-        table = render(runs)
+        table = render(runs, reference, {s["run_dir"]: smp for s, smp in zip(runs, scored, strict=True)})
         atomic_write_text(out / "table.md", table, f"table.md is unchanged; {KEPT}")
         plots = plot_all(runs, out)
         _write_json(out / SUMMARY, {"group": group, "backbone": cfg.backbone, "backbone_id": bb_id,
                                     "output_dir": str(out), "workers": W, "config": cfg.to_dict(), "runs": runs,
                                     "table": "table.md", "plots": [p.name for p in plots],
+                                    "paired": paired_settings(reference),
                                     **({"sandbox": sandbox} if sandbox is not None else {})})  # fmt: skip
         if changed:
             log_comparison(cfg, group, runs, table, plots)
