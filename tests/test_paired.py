@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -310,3 +311,31 @@ def test_the_evaluator_records_paired_comparisons_and_refuses_an_unknown_referen
     run_summary = json.loads((Path(by_name["original"]["run_dir"]) / "summary.json").read_text())
     assert run_summary["paired"] == orig
     assert "Paired comparison on the same problems" in (out / "table.md").read_text()
+
+
+def test_sweep_table4_pairs_each_allocation_with_the_baselines_folder(tmp_path):
+    """A sweep evaluates each allocation in its own folder (eval/<slug>) and the baselines once (eval/baselines):
+    Table 4 pairs across the folders, on the same problems, against threshold τ 0.9."""
+    from tdlm.sweep.table import table4
+
+    sweep = tmp_path / "sweep"
+    a, b = _fake_pair_of_dirs(tmp_path / "src")
+    (sweep / "eval").mkdir(parents=True)
+    a.rename(sweep / "eval" / "baselines")
+    b.rename(sweep / "eval" / "dispersed-16")
+    for f in (sweep / "eval").rglob("summary.json"):  # the run folders moved with them
+        s = json.loads(f.read_text())
+        f.write_text(json.dumps({**s, "run_dir": str(f.parent), "adapter_label": s.get("adapter_label") and
+                                 "dispersed-16"}))  # fmt: skip
+    (sweep / "sweep.json").write_text(json.dumps({"experiment": "t", "backbone": "bb", "allocations": ["dispersed:16"],
+                                                  "settings": {"eval": {"tasks": ["gsm8k"], "thresholds": [0.9]}}}))
+    (sweep / "trials" / "dispersed-16").mkdir(parents=True)
+    (sweep / "trials" / "dispersed-16" / "trial.json").write_text(json.dumps({
+        "slug": "dispersed-16", "allocation": "dispersed:16", "layers": [1, 3], "temporal_parameters": 10,
+        "status": "done"}))
+    table = table4(sweep)
+    assert "| Δacc vs τ 0.9 (pp) [95% CI] | McNemar p (b/c) | NFE ratio vs τ 0.9 [95% CI] |" in table
+    full = next(line for line in table.splitlines() if line.startswith("| 16, dispersed (1, 3) |") and "1.67×" in line)
+    assert re.search(r"\| [+−]\d+\.\d\d \[[+−]\d+\.\d\d, [+−]\d+\.\d\d\] \| [\d.<]+ \(\d+/\d+\) \| 1\.67× \[1\.67, "
+                     r"1\.67\] \|$", full), full
+    assert "| Fast-dLLM τ=0.9 (reference) | – |" in table and "| reference | – | – |" in table

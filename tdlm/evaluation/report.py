@@ -228,6 +228,17 @@ def _ratio_ci(v: float | None, ci: Sequence[float] | None) -> str:
     return f"{v:.2f}×" + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
 
 
+def paired_cells(p: dict) -> list[str]:
+    """A paired comparison's table cells: Δacc [CI], McNemar p (b/c), NFE ratio [CI], seconds ratio [CI]; dashes
+    for the reference itself or a comparison that was skipped."""
+    if p.get("is_reference") or "n" not in p:
+        return ["reference" if p.get("is_reference") else "–", "–", "–", "–"]
+    lo, hi = p["accuracy_diff_ci"]
+    return [f"{_signed_pp(p['accuracy_diff'])} [{_signed_pp(lo)}, {_signed_pp(hi)}]",
+            f"{_p(p['mcnemar_p'])} ({p['run_only_correct']}/{p['reference_only_correct']})",
+            _ratio_ci(p["nfe_ratio"], p["nfe_ratio_ci"]), _ratio_ci(p["seconds_ratio"], p["seconds_ratio_ci"])]
+
+
 def paired_table(runs: Sequence[dict], reference: str = DEFAULT_REFERENCE,
                  samples: Mapping[str, Sequence[dict]] | None = None) -> str:  # fmt: skip
     """Every run against the run named ``reference`` of its backbone, task, budget and block size, paired by sample
@@ -252,11 +263,7 @@ def paired_table(runs: Sequence[dict], reference: str = DEFAULT_REFERENCE,
             k = notes.setdefault(p["skipped"], len(notes) + 1)
             body.append([*head, str(r["n"]), f"– ({k})", "–", "–", "–"])
         else:
-            lo, hi = p["accuracy_diff_ci"]
-            body.append([*head, str(p["n"]), f"{_signed_pp(p['accuracy_diff'])} [{_signed_pp(lo)}, {_signed_pp(hi)}]",
-                         f"{_p(p['mcnemar_p'])} ({p['run_only_correct']}/{p['reference_only_correct']})",
-                         _ratio_ci(p["nfe_ratio"], p["nfe_ratio_ci"]),
-                         _ratio_ci(p["seconds_ratio"], p["seconds_ratio_ci"])])  # fmt: skip
+            body.append([*head, str(p["n"]), *paired_cells(p)])
     if not refs:
         return f"No reference run `{reference}` found: no paired comparison (choose one with `--reference NAME`)."
     lead = (f"Against `{reference}` of the same backbone, task, budget and block size, on the same problems "

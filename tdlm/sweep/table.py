@@ -22,6 +22,7 @@ def is_sweep_dir(path: str | os.PathLike) -> bool:
 def load_sweep(path: str | os.PathLike) -> tuple[dict, list[dict], list[dict]]:
     """(sweep record, trial records in the sweep's allocation order, evaluation runs with speedups)."""
     from tdlm.evaluation import compute_speedups, load_runs
+    from tdlm.evaluation.paired import DEFAULT_REFERENCE, attach_paired
 
     d = Path(path)
     if not is_sweep_dir(d):
@@ -39,6 +40,9 @@ def load_sweep(path: str | os.PathLike) -> tuple[dict, list[dict], list[dict]]:
     eval_dirs = [p for p in sorted((d / "eval").glob("*")) if (p / "runs").is_dir()]
     tau = ((sweep.get("settings") or {}).get("eval") or {}).get("thresholds", [0.9])[0]
     runs = compute_speedups(load_runs(eval_dirs), tau) if eval_dirs else []
+    # Each allocation is evaluated in its own folder and the baselines in eval/baselines: pair across them, on the
+    # same problems, against Fast-dLLM's threshold rule at 0.9 (tdlm.evaluation.paired).
+    attach_paired(runs, DEFAULT_REFERENCE)
     return sweep, ordered, runs
 
 
@@ -52,9 +56,12 @@ def _x(v):
 
 def _row(name: str, params: str, r: dict | None, note: str = "") -> str:
     if r is None:
-        return f"| {name} | {params} | {note or 'not evaluated'} | – | – | – |"
+        return f"| {name} | {params} | {note or 'not evaluated'} | – | – | – | – | – | – |"
+    from tdlm.evaluation.report import paired_cells
+
+    delta, mcnemar, nfe_ratio, _ = paired_cells(r.get("paired") or {})
     return (f"| {name} | {params} | {_pct(r['accuracy'])} | {r['nfe_mean']:.2f} | {r['seconds_mean']:.3f} | "
-            f"{_x(r.get('speedup_vs_original'))} |")
+            f"{_x(r.get('speedup_vs_original'))} | {delta} | {mcnemar} | {nfe_ratio} |")
 
 
 def table4(path: str | os.PathLike) -> str:
@@ -97,8 +104,9 @@ def table4(path: str | os.PathLike) -> str:
         n = next((r["n"] for r in runs if r["task"] == task), None)
         out.append(f"### {TITLES.get(task, task)}, TDLM τ={tau:g}, history {hist or '?'}"
                    f"{'' if n is None else f' ({n} problems)'}\n\n"
-                   "| Temporal layers | Parameters | Accuracy (%) | NFE | Avg. sec | Speedup |\n"
-                   "|---|---|---|---|---|---|\n" + "\n".join(rows))  # fmt: skip
+                   "| Temporal layers | Parameters | Accuracy (%) | NFE | Avg. sec | Speedup | Δacc vs τ 0.9 (pp) "
+                   "[95% CI] | McNemar p (b/c) | NFE ratio vs τ 0.9 [95% CI] |\n"
+                   "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))  # fmt: skip
     return "\n\n".join(out) + "\n"
 
 
