@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     stage_s["diagnostic"] = time.time() - t0
     interrupt_after("diagnostic")
 
+    from tdlm.evaluation.report import paired_table
+
     summary = json.loads((ev / "summary.json").read_text())
     runs = [r for r in summary["runs"] if r["task"] == DEMO_TASK]
     for r in runs:
@@ -517,6 +519,9 @@ Total wall time {minutes:.1f} min ({stages}).
 ## Frontiers (accuracy ± standard error vs mean NFE)
 {frontier_table(runs)}
 
+## Paired on the same problems
+{paired_table(runs, f"threshold-tau{BASELINE_TAU:g}")}
+
 ## Diagnostic: does a still-masked position keep its earlier predictions?
 Positions that stay masked for three or more evaluations (content tokens only), first {plan.diagnostic_problems}
 test problems, both decoders at tau {BASELINE_TAU:g}: how often the token finally committed equals the argmax
@@ -535,7 +540,7 @@ Plots: {', '.join(p.name for p in plots) or 'none'}
         {"verdict": verdict, **facts, "runs": [{k: r.get(k) for k in ("policy", "threshold", "n", "accuracy",
                                                                         "accuracy_se", "nfe_mean", "seconds_mean",
                                                                         "seconds_se", "seconds_sd", "seconds_p10",
-                                                                        "seconds_p90")} for r in runs],
+                                                                        "seconds_p90", "paired")} for r in runs],
          "diagnostic": diagnostic, "minutes": minutes, "stage_seconds": stage_s}, indent=2) + "\n")
     for p in plots:
         if p.exists():

@@ -187,6 +187,7 @@ def check_fast_demo_outputs(out: Path) -> None:
     assert all(0.0 < r["accuracy_se"] or r["accuracy"] in (0.0, 1.0) for r in report["runs"])
     text = (out / "report.md").read_text()
     assert "Target" in text and "## Frontiers" in text and "## Diagnostic" in text
+    assert "## Paired on the same problems" in text and all("paired" in r for r in report["runs"])
     assert list(out.glob("pareto_*.png"))
 
 
