@@ -91,7 +91,11 @@ def test_concurrent_runs_from_threads(limits):
 
 
 def test_bad_interpreter_is_an_error():
-    r = run_python("pass", replace(FAST, python="/nonexistent/python"))
+    """A missing interpreter: the probe refuses it (the sandbox fails closed); asked for weak mode, the run itself is
+    an error, never a pass."""
+    with pytest.raises(TDLMError, match="cannot start /nonexistent/python"):
+        run_python("pass", replace(FAST, python="/nonexistent/python"))
+    r = run_python("pass", replace(FAST, python="/nonexistent/python"), allow_weak=True)
     assert r.status == "error" and not r.passed, r
 
 

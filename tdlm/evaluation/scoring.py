@@ -28,10 +28,13 @@ else the raw text (an unterminated fence runs to the end: generations are cut at
 sub-expressions of the asserts rooted at the names the reference solution defines and sends the values back, and
 a trusted child process of this one decodes them and evaluates each assert under budgets
 (:func:`tdlm.evaluation.sandbox.split_asserts`; whatever a sample sends fails it with one line, never raises).
-pass@1 means every assert held and the program exited 0. Code scoring fails closed: :class:`Scorer` refuses the
-first code sample (one line naming what the kernel refused) when the sandbox lacks a guarantee, unless
-``allow_weak_sandbox``; then every :class:`Score` of code carries ``weakened`` (the guarantees it did not get).
-``Score.detail`` for code is a short escaped excerpt, never the sample's full output.
+pass@1 means every assert held and the program exited 0. Code scoring fails closed on every path - :class:`Scorer`,
+:func:`score`, :func:`score_code`, and so the lm-evaluation-harness task - because the sandbox itself does
+(:func:`tdlm.evaluation.sandbox.run_python`): when it lacks a guarantee, a code sample raises :class:`TDLMError`
+with one line naming what the kernel refused and nothing runs, unless ``allow_weak_sandbox`` is passed explicitly;
+then every :class:`Score` of code carries ``weakened`` (the guarantees it did not get). A run that lost a guarantee
+after the one-time probe is an ``error`` (never correct) with a one-line ``detail``. ``Score.detail`` for code is a
+short escaped excerpt, never the sample's full output.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdlm.errors import TDLMError
-from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, require_sandbox, run_python
+from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, run_python
 from tdlm.tasks.base import Problem
 from tdlm.tasks.mbpp import reference_names
 
@@ -181,7 +184,7 @@ def build_setup(code: str, test_imports: Sequence[str] = ()) -> str:
 
 def score_code(
     completion: str, tests: Sequence[str], test_imports: Sequence[str] = (), limits: SandboxLimits | None = None,
-    reference: str | None = None,
+    reference: str | None = None, *, allow_weak_sandbox: bool = False,
 ) -> Score:
     """Extract the code from ``completion``, run it in the sandbox and judge each assert outside it. Thread-safe.
 
@@ -191,14 +194,15 @@ def score_code(
     (evaluated by a trusted child process with the values the sample sent back) and the program exited 0.
     ``detail``: the sandbox's short escaped reason (first failed assert or last stderr line). A sample never makes
     this raise: whatever it sends back fails it with one line in ``detail``; a test shape the sandbox cannot split
-    raises TDLMError (a task error, refused when MBPP loads).
+    raises TDLMError (a task error, refused when MBPP loads). Fails closed: raises the sandbox's one-line
+    TDLMError, running nothing, when a sandbox guarantee is missing on this machine, unless ``allow_weak_sandbox``.
     """
     if not tests:
         raise TDLMError("score_code: tests is empty, expected at least one assert")
     code = extract_code(completion)
     names = _reference_names(reference) if reference else None
     result = run_python(build_setup(code, test_imports), limits, checks=list(tests), test_imports=list(test_imports),
-                        names=names)  # fmt: skip
+                        names=names, allow_weak=allow_weak_sandbox)  # fmt: skip
     return Score(result.passed, result.status, code, result.seconds, result.detail, result)
 
 
@@ -207,12 +211,15 @@ def _reference_names(reference: str) -> frozenset[str]:
     return reference_names(reference)
 
 
-def score(problem: Problem, completion: str, *, limits: SandboxLimits | None = None) -> Score:
-    """Score ``completion`` for ``problem`` in-process (math needs the main thread; see :class:`Scorer`)."""
+def score(problem: Problem, completion: str, *, limits: SandboxLimits | None = None,
+          allow_weak_sandbox: bool = False) -> Score:
+    """Score ``completion`` for ``problem`` in-process (math needs the main thread; see :class:`Scorer`). Code fails
+    closed as in :func:`score_code`."""
     if problem.task in MATH_TASKS:
         return score_math(problem.task, completion, problem.answer)
     if problem.task in CODE_TASKS:
-        return score_code(completion, problem.tests, problem.test_imports, limits, reference=problem.answer)
+        return score_code(completion, problem.tests, problem.test_imports, limits, reference=problem.answer,
+                          allow_weak_sandbox=allow_weak_sandbox)
     raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")
 
 
@@ -342,10 +349,10 @@ class Scorer:
     def score(self, problem: Problem, completion: str) -> Score:
         """Score one completion; never raises for a bad completion (timeouts / crashes score as wrong)."""
         if problem.task in CODE_TASKS:
-            # fail closed: raises TDLMError (one line) if the sandbox lacks a guarantee and weak is not allowed;
-            # probed once per limits, so this costs nothing after the first code sample
-            require_sandbox(self.sandbox, self.allow_weak_sandbox)
-            return score_code(completion, problem.tests, problem.test_imports, self.sandbox, reference=problem.answer)
+            # fail closed (in the sandbox itself): raises TDLMError (one line) if the sandbox lacks a guarantee and
+            # weak is not allowed; probed once per limits, so this costs nothing after the first code sample
+            return score_code(completion, problem.tests, problem.test_imports, self.sandbox, reference=problem.answer,
+                              allow_weak_sandbox=self.allow_weak_sandbox)
         if problem.task not in MATH_TASKS:
             raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")
         t0 = time.perf_counter()

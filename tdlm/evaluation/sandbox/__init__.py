@@ -23,16 +23,19 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    4 MiB of hash-colliding ints cost the evaluator 1.09 CPU-s.
 3. **Nothing to read.** A new root (bubblewrap, or the in-house mount namespace + ``pivot_root``) holding only the
    interpreter's binary, loader, shared libraries and stdlib, read-only (:func:`.host.interpreter_files`); a
-   size-capped tmpfs ``/tmp`` (cwd, HOME) and ``/dev/shm``; ``/dev/{null,zero,full,random,urandom}``; a ``/proc``
-   of its own PID namespace. New network (no interface but a down loopback, no abstract sockets of the host), IPC
-   and UTS namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files; results
-   get :func:`.verdict.excerpt` (one escaped line) only.
+   size-capped tmpfs ``/tmp`` (cwd, HOME) and ``/dev/shm``; ``/dev/{null,zero,full,random,urandom}`` and nothing
+   else there (no ``/dev/pts``, ``/dev/ptmx`` or ``/dev/tty``: no pty from the host-wide pool), read-only; a
+   ``/proc`` of its own PID namespace. New network (no interface but a down loopback, no abstract sockets of the
+   host), IPC and UTS namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files;
+   results get :func:`.verdict.excerpt` (one escaped line) only.
 4. **Nothing past the namespaces.** Seccomp (``pyseccomp`` builds the BPF; bwrap ``--seccomp`` or the launcher's
    ``prctl`` installs it) denies ``ptrace``, ``keyctl``, ``setns``, ``mount``, ``unshare`` and relatives
    (:data:`.host.DENIED_SYSCALLS`), ``clone`` with any ``CLONE_NEW*`` flag (no nested user namespace with its
    capabilities, on either backend), ``clone3`` (ENOSYS: glibc falls back to ``clone``), and ``socket`` /
    ``socketpair`` of any family but AF_UNIX, AF_INET and AF_INET6 (no netlink, packet or vsock sockets: vsock
-   shares the host's port space). bwrap adds ``--disable-userns`` and ``--cap-drop ALL``.
+   shares the host's port space). bwrap adds ``--disable-userns`` and ``--cap-drop ALL``; the in-house launcher
+   empties the capability bounding set while still privileged, then drops the uid and the other sets, and checks
+   that none is left (else the sample does not run).
 5. **Aggregate limits** (:class:`.host.Cgroups`): a cgroup per sample (v2 delegated subtree, else v1 memory + pids
    + cpuacct) bounds memory (tmpfs, memfd and shm pages included), tasks, and CPU time (polled, the whole tree
    killed past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp
@@ -41,8 +44,12 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    memory (v2, or v1 with kmem accounting), else by an inode limit: the in-house root's tmpfs has one, and under
    bubblewrap (whose ``--tmpfs`` has none) the launcher mounts inode-limited ones for bwrap to bind; where
    neither holds, ``limits`` is missing. :attr:`SandboxResult.mechanism` records which applied.
-6. **Fail closed.** :func:`require_sandbox` raises one line (what the kernel refused, how to get it) when any of
-   :data:`GUARANTEES` is missing, unless ``allow_weak``; then every result's ``weakened`` names what is missing.
+6. **Fail closed, for every caller.** :func:`run_python` itself calls :func:`require_sandbox` (probed once per
+   limits), which raises one line (what the kernel refused, how to get it) when any of :data:`GUARANTEES` is
+   missing, and nothing runs - unless ``allow_weak`` is passed explicitly; then every result's ``weakened`` names
+   what is missing. So ``Scorer``, ``score``, ``score_code`` and the harness task all refuse alike. A run that
+   gets less than the probe found (its new root or an inode-limited tmpfs cannot be built) never runs the sample:
+   the launcher stops first, and the result is an ``error`` with a one-line ``detail``, never a pass.
 7. **A maintained tool first**: ``bwrap`` (bubblewrap) when on PATH and working (as root the launcher drops to
    nobody first, so bwrap runs unprivileged in its own user namespace); the in-house namespaces (:mod:`.launcher`)
    otherwise, with the same guarantees. An explicit backend that is not installed is refused in one line

@@ -30,6 +30,7 @@ Status = Literal["passed", "failed", "timeout", "error"]
 Backend = Literal["auto", "bwrap", "inhouse"]
 NOBODY = 65534
 OVERHEAD_TASKS = 4  # launcher / bwrap, the PID namespace's init, the sample's first process, slack
+SAMPLE_DEVICES = ("null", "zero", "full", "random", "urandom")  # the sample's /dev, on both backends (no pty)
 SAMPLE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
               "OMP_NUM_THREADS": "1"}  # fmt: skip
 # The guarantees of issue 22 (items 2, 3 and the network namespace, plus seccomp and the uid), in the order a
@@ -87,9 +88,10 @@ class SandboxResult:
 
     ``status``: passed (exit 0 and, with ``checks``, every assert held when the trusted side evaluated it with the
     values the sample sent back), failed, timeout (wall clock or CPU limit), error (the sandbox could not start the
-    program). ``returncode`` is negative for a signal. ``backend`` (bwrap | inhouse | none) and ``mechanism``
-    (cgroup-v2 | cgroup-v1 | rlimit-nofork | rlimit) say how the run was isolated and limited; ``weakened`` names
-    the :data:`GUARANTEES` this run did not get. ``checks``: per-assert verdicts (None without checks);
+    program, or this run would have had less isolation than the probe found: then the sample never ran).
+    ``returncode`` is negative for a signal. ``backend`` (bwrap | inhouse | none) and ``mechanism`` (cgroup-v2 |
+    cgroup-v1 | rlimit-nofork | rlimit) say how the run was isolated and limited; ``weakened`` names the
+    :data:`GUARANTEES` this run did not get. ``checks``: per-assert verdicts (None without checks);
     ``detail``: a short escaped reason (the first failed assert, or the last line of stderr).
     """
 
@@ -308,10 +310,15 @@ def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv
         a += ["--setenv", k, v]
     for op in plan.interp.ops:
         a += ["--symlink", op[1], op[2]] if op[0] == "symlink" else ["--ro-bind", op[1], op[1]]
+    # /dev: the five devices and nothing else (bwrap's --dev would add a devpts instance, /dev/ptmx and /dev/tty:
+    # ptys come from the host-wide pool); read-only below, as in the in-house root
+    a += ["--size", "65536", "--perms", "0755", "--tmpfs", "/dev"]
+    for dev in SAMPLE_DEVICES:
+        a += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
     if tmpfs is not None:  # the launcher's size- and inode-limited tmpfs mounts
-        a += ["--dev", "/dev", "--bind", tmpfs[0], "/tmp", "--bind", tmpfs[1], "/dev/shm"]
+        a += ["--bind", tmpfs[0], "/tmp", "--bind", tmpfs[1], "/dev/shm"]
     else:
-        a += ["--dev", "/dev", "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+        a += ["--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp",
               "--size", str(limits.tmpfs_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"]  # fmt: skip
     a += ["--proc", "/proc", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
     if seccomp_fd is not None:
@@ -321,8 +328,8 @@ def _bwrap_argv(plan: _Plan, limits: SandboxLimits, seccomp_fd: int | None, argv
 
 # ------------------------------------------------------------------------------------------ run
 def run_python(code: str, limits: SandboxLimits | None = None, *, checks: Sequence[str] | None = None,
-               test_imports: Sequence[str] = (),
-               names: frozenset[str] | set[str] | None = None) -> SandboxResult:  # fmt: skip
+               test_imports: Sequence[str] = (), names: frozenset[str] | set[str] | None = None,
+               allow_weak: bool = False) -> SandboxResult:  # fmt: skip
     """Run ``code`` as ``main.py`` in a fresh sandboxed process and report how it ended. Thread-safe.
 
     Without ``checks`` the run passes iff the process exits 0. With ``checks`` (MBPP asserts, each one ``assert``
@@ -332,6 +339,12 @@ def run_python(code: str, limits: SandboxLimits | None = None, *, checks: Sequen
     anything runs), the sample evaluates only the sub-expressions rooted at the candidate's names and sends the
     values back, and a trusted child process decodes them and evaluates the asserts under budgets
     (:mod:`.trusted`): the run passes iff every assert holds and the process exited 0.
+
+    Fail closed, for every caller: :func:`require_sandbox` first (probed once per limits), so where any of
+    :data:`GUARANTEES` is missing this raises its one-line refusal and runs nothing, unless ``allow_weak`` (asked
+    for explicitly; then the result's ``weakened`` names what is missing). A run that gets less than the probe
+    promised (a new root that cannot be built, a tmpfs that cannot be mounted ...) never runs the sample: it is an
+    ``error`` with a one-line ``detail``, never a pass.
     """
     limits = limits or SandboxLimits()
     splits = None
@@ -340,11 +353,14 @@ def run_python(code: str, limits: SandboxLimits | None = None, *, checks: Sequen
         if not checks or not all(isinstance(c, str) for c in checks):
             raise TDLMError(f"run_python: checks must be a non-empty list of strings, got {checks!r}")
         splits = split_asserts(checks, list(test_imports), names)
-    return _execute(code, limits, splits, tuple(test_imports), _plan(limits))
+    support = require_sandbox(limits, allow_weak)  # raises the one-line refusal (fail closed)
+    return _execute(code, limits, splits, tuple(test_imports), _plan(limits), frozenset(support["missing"]))
 
 
 def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports: tuple[str, ...],
-             plan: _Plan) -> SandboxResult:  # fmt: skip
+             plan: _Plan, accepted: frozenset[str] | None = None) -> SandboxResult:  # fmt: skip
+    """One run. ``accepted``: the guarantees the caller may go without (the probe's ``missing``: empty unless weak
+    mode was asked for); every other one must hold, or the sample does not run. None: a probe (records only)."""
     calls = sample_ops(splits) if splits is not None else None
     cg = None
     notes: list[str] = []
@@ -384,7 +400,9 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
             "max_open_files": limits.max_open_files, "max_tasks": limits.max_processes + OVERHEAD_TASKS,
             "keep_fds": fds, "seccomp_fd": seccomp_fd, "env": SAMPLE_ENV, "workdir": work, "stage": stage,
             "ops": [list(o) for o in plan.interp.ops] if plan.interp is not None else [],
-            "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes,
+            "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes, "devices": list(SAMPLE_DEVICES),
+            # what the launcher must get before it runs the sample (fail closed); nothing for a probe
+            "require": [k for k in GUARANTEES if k not in accepted] if accepted is not None else [],
         }  # fmt: skip
         cfg["argv"] = argv
         if plan.backend == "bwrap":
@@ -435,7 +453,7 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
             cg.remove()
         _rmtree(root)
     return _result(plan, limits, splits, test_imports, cg, nofork, notes, status_text, returncode, timed_out,
-                   cpu_out, seconds, stdout, stderr, values_data)  # fmt: skip
+                   cpu_out, seconds, stdout, stderr, values_data, accepted)  # fmt: skip
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, cg: host.Cgroup | None, cpu_s: float) -> tuple[bool, bool]:
@@ -473,7 +491,7 @@ def _wait(proc: subprocess.Popen, timeout_s: float, cg: host.Cgroup | None, cpu_
 def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_imports: tuple[str, ...],
             cg: host.Cgroup | None, nofork: bool, notes: list[str], status_text: str, returncode: int | None,
             timed_out: bool, cpu_out: bool, seconds: float, stdout: str, stderr: str,
-            values_data: bytes) -> SandboxResult:  # fmt: skip
+            values_data: bytes, accepted: frozenset[str] | None = None) -> SandboxResult:  # fmt: skip
     report: dict[str, Any] = {}
     exec_failed = ""
     for line in status_text.splitlines():
@@ -515,11 +533,19 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
     if splits is not None:
         v = judge(splits, values_data, test_imports, limits.value_bytes)  # a trusted child; never raises
         ok, verdicts, detail, completed, verdict_cpu = v.ok, v.verdicts, v.detail, v.completed, v.cpu_s
+    # a guarantee this run lost after the probe (the launcher refuses to run the sample then; this is the backstop
+    # for anything it cannot see): never scored, one line
+    lost = [k for k in weakened if k not in accepted] if accepted is not None and report else []
     status: Status
     if exec_failed:
         status, stderr = "error", f"sandbox: {exec_failed}\n{stderr}"
+        detail = f"sandbox: {exec_failed}"
     elif timed_out or cpu_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # bwrap: 128 + signal
         status = "timeout"
+    elif lost:
+        why = next((n for n in run_notes if n), "no note")
+        status = "error"
+        detail = f"sandbox: this run lost {', '.join(lost)} after the probe ({why}); not scored"
     elif not report:
         status, stderr = "error", f"sandbox: the launcher did not report (exit {returncode})\n{stderr}"
     elif plan.backend == "bwrap" and returncode != 0 and stderr.startswith("bwrap: ") and not stdout \

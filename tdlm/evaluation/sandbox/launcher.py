@@ -10,14 +10,19 @@ in-house backend. Order: join the per-sample cgroups -> rlimits -> then one of
   ``/dev/shm`` as size- and inode-limited tmpfs in a private mount namespace (a user namespace of its own first
   when not root; bubblewrap's ``--tmpfs`` has no inode limit), as root drop to ``nobody`` (bubblewrap then runs
   unprivileged, in a user namespace of its own, and the sample is ``nobody`` on the host too), then ``exec`` the
-  prepared ``bwrap`` command line, which binds them;
+  prepared ``bwrap`` command line, which binds them (if the probe had that inode limit and this run cannot mount
+  it, the launcher stops: the sample never runs);
 - ``inhouse`` backend (the fallback with the same guarantees): a user namespace when not root; new network, IPC,
   UTS and mount namespaces; a new root on a tmpfs holding only the interpreter's files (read-only bind mounts),
   ``/dev/{null,zero,full,random,urandom}``, size-capped tmpfs ``/tmp`` and ``/dev/shm`` and a ``/proc`` mounted by
   the PID namespace's init; ``pivot_root`` and detach the old root; ``/`` read-only; a PID namespace whose init
-  (PID 1, ``PR_SET_PDEATHSIG``) runs the sample as PID 2. Then in the sample: drop to ``nobody`` (root), drop
-  every capability (bounding set and capset: a uid 0 without ``nobody`` mapped keeps no power), set
-  ``no_new_privs``, install the seccomp filter, ``exec``;
+  (PID 1, ``PR_SET_PDEATHSIG``) runs the sample as PID 2. Then in the sample: every namespace and the new root
+  the probe had (``cfg["require"]``) must be there, else the launcher stops with ``exec_failed weakened after the
+  probe: ...`` and the sample never runs; empty the capability bounding set while still privileged (root, or
+  the owner of the user namespace: ``PR_CAPBSET_DROP`` needs ``CAP_SETPCAP``), drop to ``nobody`` (root), clear
+  the other capability sets (capset), then verify - no effective, permitted, inheritable or ambient capability
+  and an empty bounding set, else stop (a uid 0 without ``nobody`` mapped keeps no power); set ``no_new_privs``,
+  install the seccomp filter, ``exec``;
 - ``none`` (only with ``allow_weak_sandbox``): rlimits, ``no_new_privs`` and the seccomp filter, nothing else.
 """
 
@@ -32,9 +37,10 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32,
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH, PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 2, 1, 24, 38, 22
+PR_CAPBSET_READ, PR_CAP_AMBIENT, PR_CAP_AMBIENT_IS_SET = 23, 47, 1
 SECCOMP_MODE_FILTER = 2
 ARCH = os.uname().machine
-SYS_PIVOT_ROOT, SYS_CAPSET = {"x86_64": (155, 126), "aarch64": (41, 91)}.get(ARCH, (None, None))
+SYS_PIVOT_ROOT, SYS_CAPGET, SYS_CAPSET = {"x86_64": (155, 125, 126), "aarch64": (41, 90, 91)}.get(ARCH, (None,) * 3)
 
 def say(obj):
     os.write(fd, (repr(obj) + "\n").encode())
@@ -124,6 +130,8 @@ if cfg["backend"] == "bwrap":
             why = bwrap_tmpfs()
         except OSError as e:
             why = f"inode-limited tmpfs: {e}"
+    if why and cfg["bwrap_tmpfs"] and "limits" in cfg["require"]:  # the probe had them: never run without
+        die("weakened after the probe: limits (no inode-limited tmpfs for bwrap: " + why + ")")
     if drop:
         try:
             drop_uid()
@@ -213,7 +221,7 @@ def new_root(with_proc):
                 open(path, "w").close()
             ro_bind(op[-1], path)
     os.makedirs(stage + "/dev", exist_ok=True)
-    for dev in ("null", "zero", "full", "random", "urandom"):
+    for dev in cfg["devices"]:  # no pty, no tty: nothing else in /dev
         open(stage + "/dev/" + dev, "w").close()
         if libc.mount(("/dev/" + dev).encode(), (stage + "/dev/" + dev).encode(), None, MS_BIND, None) != 0:
             raise OSError(failed("bind /dev/" + dev))
@@ -257,21 +265,69 @@ def enter_root(with_proc):
     if not rooted:
         os.chdir(cfg["workdir"])
 
-def drop_caps():
+CAP_SETPCAP = 8
+
+def capabilities():
+    # (effective, permitted, inheritable) of this process, each as a 64-bit mask (capget, no /proc needed)
+    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()
+    if SYS_CAPGET is None or libc.syscall(SYS_CAPGET, hdr, data) != 0:
+        raise OSError(failed("capget"))
+    return tuple(data[i] | (data[i + 3] << 32) for i in range(3))
+
+def bounding_set():
+    # the capabilities still in the bounding set (PR_CAPBSET_READ until EINVAL: past the last one)
+    held = []
     for cap in range(64):
-        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: past the last
-            break
+        r = libc.prctl(PR_CAPBSET_READ, cap, 0, 0, 0)
+        if r < 0:
+            if ctypes.get_errno() == 22:
+                break
+            raise OSError(failed(f"read capability {cap} of the bounding set"))
+        if r:
+            held.append(cap)
+    return held
+
+def drop_bounding_set():
+    # While still privileged (before the uid drop): PR_CAPBSET_DROP needs CAP_SETPCAP, which nobody lacks.
+    # A process that never had it (unprivileged, no user namespace: weak mode only) cannot drop it, and
+    # no_new_privs keeps it from gaining anything through exec.
+    if not capabilities()[0] >> CAP_SETPCAP & 1:
+        return False
+    for cap in bounding_set():
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(failed(f"drop capability {cap} from the bounding set"))
+    return True
+
+def drop_caps(bounded):
     if SYS_CAPSET is not None:
         hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
         data = (ctypes.c_uint32 * 6)()
         if libc.syscall(SYS_CAPSET, hdr, data) != 0:
             raise OSError(failed("capset"))
+    # verify, fail closed: no capability left in any set, and an empty bounding set where it could be dropped
+    eff, prm, inh = capabilities()
+    amb = [c for c in range(64) if libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_IS_SET, c, 0, 0) == 1]
+    left = bounding_set() if bounded else []
+    if eff or prm or inh or amb or left:
+        raise OSError(f"capabilities left: effective {eff:#x}, permitted {prm:#x}, inheritable {inh:#x}, "
+                      f"ambient {amb}, bounding set {left}")
+
+def check_required():
+    # Fail closed: a guarantee the probe had (cfg["require"]) that this run did not get means the sample never runs
+    got = {"network": net, "ipc": ipc, "pid": pid, "filesystem": rooted}
+    lost = [k for k in cfg["require"] if k in got and not got[k]]
+    if lost:
+        why = "; ".join(str(notes[k]) for k in notes) or "no note"
+        die("weakened after the probe: " + ", ".join(lost) + " (" + why.replace("\n", " ")[:300] + ")")
 
 def seal():
-    # In the sample's own process, right before exec: uid, capabilities, no_new_privs, seccomp.
+    # In the sample's own process, right before exec: the bounding set (still privileged), uid, the other
+    # capability sets (verified), no_new_privs, seccomp.
+    bounded = drop_bounding_set()
     if drop:
         drop_uid()
-    drop_caps()
+    drop_caps(bounded)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(failed("no_new_privs"))
     if cfg["seccomp_fd"] is not None:
@@ -291,6 +347,7 @@ def seal():
             raise OSError(failed("seccomp"))
 
 def exec_sample():
+    check_required()
     try:
         seal()
     except OSError as e:

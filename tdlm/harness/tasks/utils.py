@@ -3,8 +3,9 @@
 local benchmark copies (``data_dir`` from ``--metadata '{"data_dir": ...}'``, else ``$TDLM_DATA_DIR``, else
 ``data/benchmarks``; never the network) with the same prompts (``gsm8k-v1`` ...) and record-count checks as
 ``eval/run.py``, and a completion is scored by :func:`tdlm.evaluation.scoring.score` (Math-Verify gold first; MBPP
-in the
-sandbox), so a number from the harness and one from ``eval/run.py`` mean the same thing."""
+in the sandbox), so a number from the harness and one from ``eval/run.py`` mean the same thing. MBPP fails closed
+here as everywhere: on a machine where the sandbox lacks a guarantee, the first code sample raises the sandbox's
+one-line refusal (what the kernel refused, how to get it) and no sample runs; the harness has no weak mode."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def multi(**_) -> datasets.DatasetDict:
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """``acc`` = 1.0 if the completion is correct (math: Math-Verify; code: every assert passes in the sandbox);
-    ``nfe`` = the request's denoiser evaluations when the tdlm model generated it."""
+    ``nfe`` = the request's denoiser evaluations when the tdlm model generated it. Code raises
+    :class:`tdlm.errors.TDLMError` (one line, nothing run) where the sandbox lacks a guarantee: fail closed."""
     from tdlm.evaluation.scoring import score
     from tdlm.tasks import Problem
 
