@@ -10,7 +10,6 @@ import os
 import select
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any, Literal
 from tdlm.errors import TDLMError
 
 from . import host
+from .files import fd_with, read_capped, read_nonblocking, read_text, rmtree
 from .launcher import LAUNCHER
 from .verdict import DRIVER, excerpt, judge, sample_ops, split_asserts
 
@@ -154,54 +154,6 @@ def default_python() -> str:
         if os.path.exists(candidate) and _can_drop_to_nobody(candidate):
             return candidate
     return sys.executable
-
-
-# ------------------------------------------------------------------------------------------ helpers
-def _read_capped(path: str, cap: int) -> tuple[bytes, int]:
-    with open(path, "rb") as f:
-        return f.read(cap + 1), os.fstat(f.fileno()).st_size
-
-
-def _text(path: str, cap: int) -> str:
-    data, total = _read_capped(path, cap)
-    text = data[:cap].decode("utf-8", errors="replace")
-    if total > cap:
-        text += f"\n[... truncated: {total} bytes total, {cap} kept]"
-    return text
-
-
-def _rmtree(path: str) -> None:
-    def fix(func, p, _exc):  # sample code may chmod its own files to 000 (weak mode only: no private /tmp)
-        try:
-            os.chmod(os.path.dirname(p), stat.S_IRWXU)
-            os.chmod(p, stat.S_IRWXU)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
-
-
-def _fd_with(data: bytes) -> int:
-    """An fd holding ``data`` with no name anywhere (memfd, else an unlinked temp file), offset 0."""
-    try:
-        fd = os.memfd_create("tdlm-sandbox")
-    except (AttributeError, OSError):
-        f = tempfile.TemporaryFile()
-        fd = os.dup(f.fileno())
-        f.close()
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _read_nonblocking(fd: int, cap: int = 65536) -> bytes:
-    os.set_blocking(fd, False)
-    with os.fdopen(fd, "rb") as f:
-        try:
-            return f.read(cap) or b""
-        except BlockingIOError:
-            return b""
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -372,7 +324,7 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
     nofork = cg is None
     seccomp_fd = None
     if plan.seccomp:
-        seccomp_fd = _fd_with(host.seccomp_program(nofork))
+        seccomp_fd = fd_with(host.seccomp_program(nofork))
     root = tempfile.mkdtemp(prefix="tdlm-sandbox-")
     work, stage = os.path.join(root, "work"), os.path.join(root, "root")
     os.mkdir(work)
@@ -382,7 +334,7 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
         os.chown(work, plan.drop_to, plan.drop_to)
     out_path, err_path, val_path = (os.path.join(root, n) for n in ("stdout", "stderr", "values"))
     fds: list[int] = []
-    payload_fd = _fd_with(marshal.dumps((code, calls)))
+    payload_fd = fd_with(marshal.dumps((code, calls)))
     values_fd = os.open(val_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     fds += [payload_fd, values_fd] + ([seccomp_fd] if seccomp_fd is not None else [])
     status_r, status_w = os.pipe()
@@ -439,11 +391,11 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
         seconds = time.monotonic() - t0
         if cg is not None and cg.cpu_seconds() >= cpu_s:
             cpu_out = True
-        status_text = _read_nonblocking(status_r).decode("utf-8", errors="replace")
+        status_text = read_nonblocking(status_r).decode("utf-8", errors="replace")
         status_r = -1
-        stdout = _text(out_path, limits.output_bytes)
-        stderr = _text(err_path, limits.output_bytes)
-        values_data, _ = _read_capped(val_path, limits.value_bytes)
+        stdout = read_text(out_path, limits.output_bytes)
+        stderr = read_text(err_path, limits.output_bytes)
+        values_data, _ = read_capped(val_path, limits.value_bytes)
     finally:
         for fd in fds:
             os.close(fd)
@@ -451,7 +403,7 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
             os.close(status_r)
         if cg is not None:
             cg.remove()
-        _rmtree(root)
+        rmtree(root)
     return _result(plan, limits, splits, test_imports, cg, nofork, notes, status_text, returncode, timed_out,
                    cpu_out, seconds, stdout, stderr, values_data, accepted)  # fmt: skip
 
