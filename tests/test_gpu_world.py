@@ -36,15 +36,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _simulated_launch(tmp_path: Path, root: Path, world: int = 2, timeout: float = 240.0) -> dict[int, dict]:
+@pytest.fixture(scope="module")
+def traj(tmp_path_factory) -> Path:
+    """Teacher trajectories for the simulated launches (generated once for the module)."""
+    from tdlm.data.toy_trajectories import ensure_toy_trajectories
+
+    path = tmp_path_factory.mktemp("gpu-world") / "traj"
+    ensure_toy_trajectories(path, "tiny-arith", n=4)
+    return path
+
+
+def _simulated_launch(tmp_path: Path, root: Path, traj: Path, world: int = 2,
+                      timeout: float = 240.0) -> dict[int, dict]:
     """Start ``world`` ranks of tests/_gpu_world_rank.py (as deepspeed / torchrun would: RANK, LOCAL_RANK...) and
     return each rank's record. A rank that fails leaves its peers waiting in a collective: they are stopped once
     every rank that can finish has written its record."""
-    from tdlm.data.toy_trajectories import ensure_toy_trajectories
-
-    traj = tmp_path / "traj"
-    if not traj.exists():
-        ensure_toy_trajectories(traj, "tiny-arith", n=4)
     out = tmp_path / f"out-{root.name}"
     out.mkdir()
     port = str(_free_port())
@@ -85,8 +91,8 @@ def _order(events: list, name: str) -> int:
     return next(i for i, e in enumerate(events) if e[0] == name)
 
 
-def test_two_rank_gpu_launch_binds_each_rank_before_its_first_collective(tmp_path):
-    recs = _simulated_launch(tmp_path, REPO)
+def test_two_rank_gpu_launch_binds_each_rank_before_its_first_collective(tmp_path, traj):
+    recs = _simulated_launch(tmp_path, REPO, traj)
     assert sorted(recs) == [0, 1]
     for r, rec in recs.items():
         ev = rec["events"]
@@ -98,7 +104,7 @@ def test_two_rank_gpu_launch_binds_each_rank_before_its_first_collective(tmp_pat
         assert not [e for e in ev if e[0] == "jit_op"], ev  # no FusedAdam nvcc build at a GPU launch
 
 
-def test_the_start_up_defect_planted_back_fails_on_rank_1(tmp_path):
+def test_the_start_up_defect_planted_back_fails_on_rank_1(tmp_path, traj):
     """The order before the fix: process group, launch id broadcast (no device given), *then* set_device. Rank 1's
     broadcast stages on cuda:0 while its group is bound to cuda:1: NCCL's error, as on every multi-GPU node."""
     copy = tmp_path / "planted"
@@ -114,7 +120,7 @@ def test_the_start_up_defect_planted_back_fails_on_rank_1(tmp_path):
     roll = "    roll = RollCall(run.output_dir, broadcast_launch_id(device), rank, world)\n"
     assert roll in src
     loop_py.write_text(src.replace(roll, roll + "    if device.type != 'cpu':\n        acc.set_device(device.index)\n"))
-    recs = _simulated_launch(tmp_path, copy)
+    recs = _simulated_launch(tmp_path, copy, traj)
     assert recs[1]["end"].startswith("RuntimeError: broadcast_object_list before set_device(1): Tensor found on "
                                      "device cuda:0 but backend constrained to cuda:1"), recs[1]
 
