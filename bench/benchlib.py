@@ -38,10 +38,29 @@ def build_tdlm(size: str, medium: dict, medium_seed: int):
     return tdlm.TDLM(backbone, tdlm.TemporalConfig()).eval()
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def repo_relative(value):
+    """``value`` with every string that names a path inside the repository written relative to its root (results
+    JSON is committed: no machine's absolute paths in it); other values as they are, containers walked."""
+    if isinstance(value, dict):
+        return {k: repo_relative(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [repo_relative(v) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        try:
+            return Path(value).resolve().relative_to(REPO).as_posix() or "."
+        except ValueError:
+            return value
+    return value
+
+
 def write_result(path: str | os.PathLike, result: dict) -> Path:
-    """Write ``result`` as indented JSON (parents created) and say where."""
+    """Write ``result`` as indented JSON (parents created; paths inside the repository relative to its root) and say
+    where."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps(repo_relative(result), indent=2) + "\n")
     print(f"\nwrote {out}")
     return out

@@ -126,6 +126,21 @@ def _run(impl: str, limit: int | None, worst: bool = False) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _portable(value):
+    """``value`` with the implementations' folders named relative to the repository root, or as a copy elsewhere
+    (the results JSON is committed: no machine's absolute paths). Not benchlib's helper: that module imports torch."""
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        try:
+            return Path(value).resolve().relative_to(REPO).as_posix() or "."
+        except ValueError:
+            return f"a copy of the tree outside the repository ({Path(value).name})"
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", help="a directory holding an older tdlm/ package, measured side by side")
@@ -179,7 +194,7 @@ def main() -> None:
     if args.out or not args.quick:
         path = Path(args.out) if args.out else RESULTS
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        path.write_text(json.dumps(_portable(result), indent=2) + "\n")
         print(f"wrote {path}")
 
 
