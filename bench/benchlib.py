@@ -6,13 +6,14 @@ import datetime as dt
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 
 def machine() -> dict:
     """Date (UTC), versions, platform, CPU count and current 1-minute load: enough to tell runs apart."""
+    import torch  # here, not at the top: benches that never load torch (sandbox_throughput) use this module too
+
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
@@ -41,18 +42,19 @@ def build_tdlm(size: str, medium: dict, medium_seed: int):
 REPO = Path(__file__).resolve().parents[1]
 
 
-def repo_relative(value):
+def repo_relative(value, outside: Callable[[str], str] = str):
     """``value`` with every string that names a path inside the repository written relative to its root (results
-    JSON is committed: no machine's absolute paths in it); other values as they are, containers walked."""
+    JSON is committed: no machine's absolute paths in it), and ``outside(path)`` for other absolute paths; other
+    values as they are, containers walked."""
     if isinstance(value, dict):
-        return {k: repo_relative(v) for k, v in value.items()}
+        return {k: repo_relative(v, outside) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [repo_relative(v) for v in value]
+        return [repo_relative(v, outside) for v in value]
     if isinstance(value, str) and value.startswith("/"):
         try:
             return Path(value).resolve().relative_to(REPO).as_posix() or "."
         except ValueError:
-            return value
+            return outside(value)
     return value
 
 

@@ -127,18 +127,12 @@ def _run(impl: str, limit: int | None, worst: bool = False) -> dict:
 
 
 def _portable(value):
-    """``value`` with the implementations' folders named relative to the repository root, or as a copy elsewhere
-    (the results JSON is committed: no machine's absolute paths). Not benchlib's helper: that module imports torch."""
-    if isinstance(value, dict):
-        return {k: _portable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_portable(v) for v in value]
-    if isinstance(value, str) and value.startswith("/"):
-        try:
-            return Path(value).resolve().relative_to(REPO).as_posix() or "."
-        except ValueError:
-            return f"a copy of the tree outside the repository ({Path(value).name})"
-    return value
+    """The result with the implementations' folders named relative to the repository root, or as a copy elsewhere
+    (the results JSON is committed: no machine's absolute paths)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from benchlib import repo_relative
+
+    return repo_relative(value, lambda p: f"a copy of the tree outside the repository ({Path(p).name})")
 
 
 def main() -> None:
