@@ -86,3 +86,23 @@ def test_mirror_forms_are_refused_before_the_sample_runs(test):
     with pytest.raises(TDLMError, match="test 1") as e:
         score_code(SAMPLE, [test], [], reference=REFERENCE)
     assert "identity" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+BOUND = [  # a name the assert binds may hold the candidate's value (issue item 4: `zip(f(1), f(1))` pairs)
+    ("assert [x for x in f(1) if x is [2]]", "assert [x for x in f(1) if [2] is x]"),
+    ("assert (lambda v: v is not (2,))(f(1))", "assert (lambda v: (2,) is not v)(f(1))"),
+    ("assert all(v is w for v, w in zip(f(1), [2]))", "assert all(w is v for v, w in zip(f(1), [2]))"),
+]
+
+
+@pytest.mark.parametrize("left,right", BOUND, ids=[b[0] for b in BOUND])
+def test_identity_with_a_name_the_assert_binds_is_refused_on_either_side(left, right):
+    for test in (left, right):
+        why = _refusal(test)
+        assert why is not None and "identity (`is`)" in why and "a name the assert binds" in why, (test, why)
+
+
+@pytest.mark.parametrize("test", ["assert all(x is None for x in f(1))", "assert all(None is not x for x in f(1))",
+                                  "assert (lambda v: v is True)(f(1))", "assert (lambda v: False is v)(f(1))"])
+def test_a_bound_name_against_a_singleton_splits_on_either_side(test):
+    assert _refusal(test) is None and split_asserts([test], [], NAMES)[0].calls == ("f(1)",)

@@ -180,13 +180,15 @@ def f():
             {"k": {1, 2}}, frozenset({3}), collections.Counter("aab"), collections.namedtuple("P", "x y")(1, 2)]
 def g():
     return (x for x in [1])
+def h():
+    return len
 """
-    r = run_python(code, FAST, checks=["assert f()[:3] == [1, -2**100, 0.1] and f()[3] != f()[3]",
+    r = run_python(code, FAST, checks=["assert f()[:3] == [1, -2**100, 0.1]", "assert (lambda v: v[3] != v[3])(f())",
                                        "assert f()[4:] == [float('inf'), 2j, 'é\\u2028\\x00\"', b'\\x00\\xff', True, "
                                        "None, (1, [2]), {'k': {1, 2}}, frozenset({3}), {'a': 2, 'b': 1}, (1, 2)]",
-                                       "assert g() is not None"])  # fmt: skip
-    assert r.checks == (True, True, False), r
-    assert "unsupported type generator" in r.detail, r.detail
+                                       "assert list(g()) == [1]", "assert h() is not None"])  # fmt: skip
+    assert r.checks == (True, True, True, True, False), r
+    assert "unsupported type builtin_function_or_method" in r.detail, r.detail
 
 
 def test_excerpt_is_short_and_escaped():

@@ -190,7 +190,8 @@ def score_code(
 
     ``reference``: the task's reference solution (MBPP ``Problem.answer``); the names it defines are the
     candidate's (:func:`tdlm.tasks.mbpp.reference_names`), so a builtin it redefines (MBPP 126's ``sum``) is the
-    candidate's too; without it every name that is not a builtin or imported is. Correct only if every assert held
+    candidate's too; without it, the names the asserts call that are not builtins or imported (a bare name used as a
+    value, ``EXPECTED``, is refused rather than taken from the sample). Correct only if every assert held
     (evaluated by a trusted child process with the values the sample sent back) and the program exited 0.
     ``detail``: the sandbox's short escaped reason (first failed assert or last stderr line). A sample never makes
     this raise: whatever it sends back fails it with one line in ``detail``; a test shape the sandbox cannot split

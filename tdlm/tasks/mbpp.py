@@ -20,11 +20,13 @@ Scoring (:func:`tdlm.evaluation.scoring.score_code`) runs ``test_imports`` + ext
 :mod:`symtable`, nothing is run): the names the candidate owns are those the reference solution defines
 (:func:`reference_names`, at any depth); the sample evaluates only the sub-expressions rooted at one of them
 (``name(.attr)*`` and at most one call, with argument values the evaluator computes), and a trusted child process
-of the evaluator evaluates the rest of each assert with the values it sent back. :func:`load` refuses, naming the
-problem and the assert, any assert the grammar cannot split or that calls nothing of the reference's, so a shape
-that would hand the comparison to the sample is an error before anything is decoded; all 776 shipped asserts
-split. pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends
-no values, so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this way
+of the evaluator evaluates the rest of each assert with the value it sent back (one per assert, from a
+sub-expression Python evaluates exactly once, in that order: :func:`plan_assert` refuses the rest). :func:`load`
+refuses, naming the problem and the assert, any assert the grammar cannot split or that calls nothing of the
+reference's, so a shape that would hand the comparison to the sample, or run the candidate's code in another order
+or number than Python, is an error before anything is decoded; all 776 shipped asserts split. pass@1 means every
+assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends no values, so it fails, as
+in the anchors' harnesses). All 257 canonical solutions pass this way
 (tests/test_sandbox_hostile.py).
 """
 
@@ -177,9 +179,18 @@ def _chain(node: ast.AST) -> tuple[str, tuple[str, ...], ast.Call | None] | None
     return (cur.id, tuple(reversed(attrs)), call) if isinstance(cur, ast.Name) else None
 
 
+# Positions whose sub-expressions Python may evaluate other than exactly once, in order (see plan_assert)
+_BRANCH = "an operand after `and` / `or`, which Python skips once the result is known"
+_IFEXP = "a branch of a conditional expression, of which Python evaluates one"
+_CHAIN = "a later link of a chained comparison, which Python skips once a link is false"
+_LAMBDA = "the body of a lambda, which Python evaluates once per call (maybe never)"
+_LOOP = "the body of a comprehension or generator expression, which Python evaluates once per element (maybe never)"
+
+
 class _Splitter:
-    def __init__(self, where: str, names: frozenset[str] | None, imported: frozenset[str]) -> None:
-        self.where, self.names, self.imported = where, names, imported
+    def __init__(self, where: str, names: frozenset[str] | None, imported: frozenset[str],
+                 rooted: frozenset[str] = frozenset()) -> None:  # fmt: skip
+        self.where, self.names, self.imported, self.rooted = where, names, imported, rooted
         self.calls: list[CandidateCall] = []
 
     def fail(self, why: str, node: ast.AST) -> TDLMError:
@@ -188,10 +199,21 @@ class _Splitter:
     def candidate(self, name: str, local: frozenset[str]) -> bool:
         if name in local or name in self.imported:
             return False
-        return name not in _BUILTINS if self.names is None else name in self.names
+        if self.names is None:  # no reference: only a name the assert calls (or reads an attribute of) is the sample's
+            return name not in _BUILTINS and name in self.rooted
+        return name in self.names
 
     def touches(self, node: ast.AST, local: frozenset[str]) -> bool:
         return any(isinstance(n, ast.Name) and self.candidate(n.id, local) for n in ast.walk(node))
+
+    def unknown(self, name: str, what: str = "") -> str:
+        """Why ``name`` (in ``what``, if given) is refused: neither trusted nor the candidate's."""
+        if self.names is None:  # a bare name would take its value from the sample: never the candidate's here
+            return (f"{what + ' uses ' if what else ''}{name!r}, which is not a builtin or test_imports name; without "
+                    "a reference solution only a name the assert calls is the candidate's")  # fmt: skip
+        if what:
+            return f"{what} names {name!r}: not a builtin, test_imports or reference name"
+        return f"{name!r} is not a builtin, a test_imports name or a name the reference defines"
 
     def closed(self, node: ast.expr, local: frozenset[str], what: str) -> str:
         """Source of a trusted expression the evaluator can compute before the sample runs."""
@@ -202,7 +224,7 @@ class _Splitter:
                 if self.candidate(n.id, local):
                     raise self.fail(f"{what} mixes the candidate's values into other code", node)
                 if n.id not in _BUILTINS and n.id not in self.imported:
-                    raise self.fail(f"{what} names {n.id!r}: not a builtin, test_imports or reference name", node)
+                    raise self.fail(self.unknown(n.id, what), node)
             if isinstance(n, (ast.Lambda, ast.NamedExpr)):
                 raise self.fail(f"{what} holds a {type(n).__name__.lower()}", node)
         return ast.unparse(node)
@@ -228,78 +250,143 @@ class _Splitter:
         self.calls.append(CandidateCall(root, attrs, args, kwargs or (), sent))
         return len(self.calls) - 1
 
-    def visit(self, node: ast.AST, local: frozenset[str]) -> ast.AST:
+    def identity(self, node: ast.Compare, local: frozenset[str]) -> None:
+        """``is`` / ``is not`` needs both operands' identities: refused where one side is the candidate's value or a
+        name the assert binds (it may hold one), unless the other side is a singleton (kept by the decoder)."""
+        sides = [node.left, *node.comparators]
+        for k, op in enumerate(node.ops):
+            if not isinstance(op, (ast.Is, ast.IsNot)):
+                continue
+            a, b = sides[k], sides[k + 1]
+            if any(isinstance(s, ast.Constant) and any(s.value is v for v in _SINGLETONS) for s in (a, b)):
+                continue
+            if any(isinstance(n, ast.Name) and (n.id in local or self.candidate(n.id, local))
+                   for s in (a, b) for n in ast.walk(s)):  # fmt: skip
+                raise self.fail("identity (`is`) of the candidate's values (or of a name the assert binds): decoded "
+                                "values are new objects", node)  # fmt: skip
+
+    def visit(self, node: ast.AST, local: frozenset[str], ctx: str = "") -> ast.AST:
+        """The check with placeholders for the candidate's sub-expressions. ``ctx``: why this position is not
+        evaluated exactly once, in order, by Python (a candidate's sub-expression there is refused)."""
         if isinstance(node, ast.expr):
             c = _chain(node)
             if c is not None and self.candidate(c[0], local):
                 i = self.extract(node, c, local, sent=True)
+                if ctx:
+                    raise self.fail(f"the candidate's value sits in {ctx}; the sample evaluates it once, before the "
+                                    "check", node)  # fmt: skip
                 return ast.copy_location(ast.Name(id=f"{PLACEHOLDER}{i}", ctx=ast.Load()), node)
         if isinstance(node, ast.Name):
             if node.id not in local and node.id not in _BUILTINS and node.id not in self.imported:
-                raise self.fail(f"{node.id!r} is not a builtin, a test_imports name or a name the reference defines",
-                                node)  # fmt: skip
+                raise self.fail(self.unknown(node.id), node)
             return node
         if isinstance(node, ast.NamedExpr):
             raise self.fail("an assignment expression", node)
         if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            for k, op in enumerate(node.ops):
-                a, b = sides[k], sides[k + 1]
-                singleton = any(isinstance(s, ast.Constant) and any(s.value is v for v in _SINGLETONS) for s in (a, b))
-                if isinstance(op, (ast.Is, ast.IsNot)) and not singleton and (self.touches(a, local)
-                                                                              or self.touches(b, local)):
-                    raise self.fail("identity (`is`) of the candidate's values: decoded values are new objects", node)
+            self.identity(node, local)
+            node.left = self.visit(node.left, local, ctx)
+            node.comparators = [self.visit(x, local, ctx if k == 0 else ctx or _CHAIN)
+                                for k, x in enumerate(node.comparators)]  # fmt: skip
+            return node
+        if isinstance(node, ast.BoolOp):
+            node.values = [self.visit(x, local, ctx if k == 0 else ctx or _BRANCH) for k, x in enumerate(node.values)]
+            return node
+        if isinstance(node, ast.IfExp):
+            node.test = self.visit(node.test, local, ctx)
+            node.body, node.orelse = (self.visit(x, local, ctx or _IFEXP) for x in (node.body, node.orelse))
+            return node
         if isinstance(node, ast.Lambda):
             a = node.args
             params = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x is not None}
-            a.defaults = [self.visit(d, local) for d in a.defaults]
-            a.kw_defaults = [self.visit(d, local) if d is not None else None for d in a.kw_defaults]
-            node.body = self.visit(node.body, local | params)
+            a.defaults = [self.visit(d, local, ctx) for d in a.defaults]
+            a.kw_defaults = [self.visit(d, local, ctx) if d is not None else None for d in a.kw_defaults]
+            node.body = self.visit(node.body, local | params, ctx or _LAMBDA)
             return node
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
             bound = set(local)
-            for g in node.generators:
-                g.iter = self.visit(g.iter, frozenset(bound))
+            for k, g in enumerate(node.generators):  # only the first iterable is evaluated once, outside the loop
+                g.iter = self.visit(g.iter, frozenset(bound), ctx if k == 0 else ctx or _LOOP)
                 bound |= {n.id for n in ast.walk(g.target) if isinstance(n, ast.Name)}
-                g.ifs = [self.visit(x, frozenset(bound)) for x in g.ifs]
-            inner = frozenset(bound)
+                g.ifs = [self.visit(x, frozenset(bound), ctx or _LOOP) for x in g.ifs]
+            inner, body = frozenset(bound), ctx or _LOOP
             if isinstance(node, ast.DictComp):
-                node.key, node.value = self.visit(node.key, inner), self.visit(node.value, inner)
+                node.key, node.value = self.visit(node.key, inner, body), self.visit(node.value, inner, body)
             else:
-                node.elt = self.visit(node.elt, inner)
+                node.elt = self.visit(node.elt, inner, body)
             return node
         for field, value in ast.iter_fields(node):
             if isinstance(value, list):
-                setattr(node, field, [self.visit(v, local) if isinstance(v, ast.AST) else v for v in value])
+                setattr(node, field, [self.visit(v, local, ctx) if isinstance(v, ast.AST) else v for v in value])
             elif isinstance(value, ast.AST):
-                setattr(node, field, self.visit(value, local))
+                setattr(node, field, self.visit(value, local, ctx))
         return node
+
+
+def _rooted(tree: ast.AST) -> frozenset[str]:
+    """The names an assert calls or reads an attribute of (``f(...)``, ``m.g(...)``, ``o.x``): without a reference
+    solution, the only names that can be the candidate's."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Call, ast.Attribute)):
+            c = _chain(n)
+            if c is not None and (c[1] or c[2] is not None):
+                out.add(c[0])
+    return frozenset(out)
 
 
 def plan_assert(test: str, imported: frozenset[str], names: frozenset[str] | None, where: str = "test") -> AssertPlan:
     """Split one assert (see :class:`AssertPlan`). ``names``: the candidate's names (:func:`reference_names`);
-    None: every name that is not a builtin or imported (a builtin is then never the candidate's). Raises
-    TDLMError, naming ``where``, for a test that is not one assert or has a shape the sandbox cannot split."""
+    None (no reference solution): the names the assert calls (or reads an attribute of) that are not builtins or
+    imported; a bare name used as a value is then refused, never the sample's. Raises TDLMError, naming
+    ``where``, for a test that is not one assert or has a shape the sandbox cannot split.
+
+    Python's order, kept or refused. The sample evaluates the candidate's sub-expressions once each, before the
+    check, and sends one value back per assert; the rest is the trusted check. So an assert splits only where
+    that is what Python does:
+
+    - exactly one value goes back: the candidate's sub-expression the check reads. Calls of the candidate's that
+      are its direct arguments (``f(g(1))``) stay in the sample and run in Python's order there (the callable, then
+      the arguments left to right, then the call), on the very objects Python would pass. Two values (``f(1) ==
+      f(2)``, ``{f(1): g(1)}``, ``f(1) + CONST``) are refused: Python runs the later call between them, and it can
+      mutate or alias the earlier result (or a check can mutate it before the later call), which a value sent
+      back early cannot show. None (``max(3, 5) == 5``) is refused: the evaluator alone would decide it;
+    - a candidate's sub-expression where Python may skip it or evaluate it repeatedly is refused: after ``and`` /
+      ``or``, in a branch of ``x if c else y``, in a later link of a chained comparison, in a lambda body or a
+      comprehension / generator expression (all but its first iterable). The rule is syntactic: the same on every
+      Python version (3.12 inlines comprehensions, which would otherwise change what a placeholder there reads);
+    - ``is`` / ``is not`` with a side that is the candidate's value or a name the assert binds is refused unless the
+      other side is a singleton.
+    """
     try:
         tree = ast.parse(test)
     except SyntaxError as e:
         raise TDLMError(f"{where}: not Python ({e.msg}): {test[:120]!r}") from e
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
         raise TDLMError(f"{where}: expected one `assert` statement, got {test[:120]!r}")
-    sp = _Splitter(where, names, imported)
+    sp = _Splitter(where, names, imported, _rooted(tree.body[0].test))
     check = sp.visit(tree.body[0].test, frozenset())
+    sent = [c for c in sp.calls if c.sent]
+    if not sent:
+        raise TDLMError(f"{where}: calls nothing of the candidate's, so the evaluator alone would decide it: "
+                        f"{test[:120]!r} (the sandbox cannot split this assert)")  # fmt: skip
+    if len(sent) > 1:
+        raise TDLMError(f"{where}: sends {len(sent)} of the candidate's values back ("
+                        f"{', '.join(_source(c) for c in sent)[:120]}): Python would run the later one between them, "
+                        "which can change or alias the earlier value; one value per assert: "
+                        f"{test[:120]!r} (the sandbox cannot split this assert)")  # fmt: skip
     return AssertPlan(test, tuple(sp.calls), ast.unparse(check))
 
 
+def _source(c: CandidateCall) -> str:
+    return ".".join((c.root, *c.attrs)) + ("(...)" if c.args is not None else "")
+
+
 def check_problem(problem: Problem) -> tuple[AssertPlan, ...]:
-    """The plans of one MBPP problem's asserts; TDLMError naming the problem when one cannot be split or calls
-    nothing of the candidate's (the evaluator alone would decide it)."""
+    """The plans of one MBPP problem's asserts, with its reference solution's names; TDLMError naming the problem
+    when one cannot be split (:func:`plan_assert`: among others, one that calls nothing of the candidate's)."""
     names = reference_names(problem.answer)
     imported = imported_names(problem.test_imports)
     plans = []
     for k, test in enumerate(problem.tests):
-        plan = plan_assert(test, imported, names, where=f"{problem.id} test {k + 1}")
-        if not any(c.sent for c in plan.calls):
-            raise TDLMError(f"{problem.id} test {k + 1}: calls nothing the reference solution defines: {test[:120]!r}")
-        plans.append(plan)
+        plans.append(plan_assert(test, imported, names, where=f"{problem.id} test {k + 1}"))
     return tuple(plans)

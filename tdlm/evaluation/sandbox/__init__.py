@@ -4,16 +4,19 @@ stall, nothing to read, nothing reachable past the namespaces, aggregate limits,
 Per run (:func:`run_python`), on a machine that grants everything (``isolation_support()["level"] == "full"``):
 
 1. **Verdict outside the sample** (:mod:`.verdict`, :mod:`.trusted`). The evaluator splits each assert with the
-   grammar of :func:`tdlm.tasks.mbpp.plan_assert`: the sample evaluates only the sub-expressions rooted at a name
-   the candidate defines (from the task's reference solution, bound at any depth; looked up in the program's
-   globals only, so a missing one is a NameError and a builtin never answers for it): ``name(.attr)*`` and at
-   most one call, with argument values the evaluator computed. Everything else - the comparison, the expected
-   side, lambdas, methods of the returned values, ``test_imports`` modules - is evaluated on the trusted side, on
-   decoded builtin values. A shape the grammar cannot split (``is`` between the candidate's values, arguments
-   that use names bound in the assert or mix the candidate's values into other code, a name that is neither a
-   builtin, imported nor the reference's) is refused when MBPP loads, before anything is decoded. The values
-   come back through a strict serialiser of builtins (never unpickled). No completion token: exiting early only
-   loses values.
+   grammar of :func:`tdlm.tasks.mbpp.plan_assert`: the sample evaluates only the sub-expressions rooted at a name the
+   candidate defines (from the task's reference solution, bound at any depth; looked up in the program's globals only,
+   so a missing one is a NameError and a builtin never answers for it): ``name(.attr)*`` and at most one call, with
+   argument values the evaluator computed. Everything else - the comparison, the expected side, lambdas, methods of
+   the returned values, ``test_imports`` modules - is evaluated on the trusted side, on decoded builtin values. A
+   shape the grammar cannot split (``is`` between the candidate's values, arguments that use names bound in the assert
+   or mix the candidate's values into other code, a name that is neither a builtin, imported nor the reference's; more
+   than one value sent back, or one from a position Python may skip or repeat - after ``and`` / ``or``, in a
+   conditional branch, a later link of a chained comparison, a lambda or comprehension body; an assert that sends
+   nothing to the sample; without a reference, a bare name used as a value) is refused by :func:`split_asserts`,
+   before anything is decoded. The values come back through a strict serialiser of builtins (never unpickled); a
+   returned iterator is consumed within a budget and rebuilt as an iterator, and ``Fraction``, ``Decimal``, dict
+   views, ``range`` and ``deque`` arrive as themselves. No completion token: exiting early only loses values.
 2. **A bounded trusted side.** The evaluator's process never parses the sample's bytes: a trusted child
    (``python -I -S -B trusted.py``, one of a small reused pool, no candidate code) decodes them and evaluates the
    asserts under budgets: nesting 64, 200,000 elements, 4,096 hex digits per int, 1 CPU-s per sample
@@ -32,18 +35,21 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    ``prctl`` installs it) denies ``ptrace``, ``keyctl``, ``setns``, ``mount``, ``unshare`` and relatives
    (:data:`.host.DENIED_SYSCALLS`), ``clone`` with any ``CLONE_NEW*`` flag (no nested user namespace with its
    capabilities, on either backend), ``clone3`` (ENOSYS: glibc falls back to ``clone``), and ``socket`` /
-   ``socketpair`` of any family but AF_UNIX, AF_INET and AF_INET6 (no netlink, packet or vsock sockets: vsock
-   shares the host's port space). bwrap adds ``--disable-userns`` and ``--cap-drop ALL``; the in-house launcher
-   empties the capability bounding set while still privileged, then drops the uid and the other sets, and checks
-   that none is left (else the sample does not run).
-5. **Aggregate limits** (:class:`.host.Cgroups`): a cgroup per sample (v2 delegated subtree, else v1 memory + pids
-   + cpuacct) bounds memory (tmpfs, memfd and shm pages included), tasks, and CPU time (polled, the whole tree
-   killed past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp
-   refuses ``fork`` / ``vfork`` / non-thread ``clone`` and ``memfd_create``, so per-process rlimits are the
-   aggregate. The files of the tmpfs (kernel memory, no tmpfs bytes) are bounded by a cgroup that charges kernel
-   memory (v2, or v1 with kmem accounting), else by an inode limit: the in-house root's tmpfs has one, and under
-   bubblewrap (whose ``--tmpfs`` has none) the launcher mounts inode-limited ones for bwrap to bind; where
-   neither holds, ``limits`` is missing. :attr:`SandboxResult.mechanism` records which applied.
+   ``socketpair`` of any family but AF_UNIX, AF_INET and AF_INET6 (no netlink, packet or vsock sockets: vsock shares
+   the host's port space); under bubblewrap, whose ``--unshare-net`` brings the loopback up, AF_INET / AF_INET6 too
+   (EAFNOSUPPORT: no cgroup v1 charges TCP / UDP buffers to the sample). bwrap adds ``--disable-userns`` and
+   ``--cap-drop ALL``; the in-house launcher empties the capability bounding set while still privileged, then drops
+   the uid and the other sets, and checks that none is left (else the sample does not run).
+5. **Aggregate limits** (:class:`.host.Cgroups`): a cgroup per sample (v2 delegated subtree, else v1 memory + pids +
+   cpuacct) bounds memory (tmpfs, memfd and shm pages included), tasks, and CPU time (polled, the whole tree killed
+   past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp refuses ``fork``
+   / ``vfork`` / non-thread ``clone``, ``memfd_create``, System V shm / msg / sem, pipes and AF_UNIX sockets
+   (:data:`.host.NOCGROUP_SYSCALLS`, :data:`.host.NOCGROUP_FAMILIES`: memory no process's address-space limit counts),
+   so per-process rlimits are the aggregate. Every setting: RLIMIT_MSGQUEUE 0, RLIMIT_SIGPENDING 256. The files of the
+   tmpfs (kernel memory, no tmpfs bytes) are bounded by a cgroup that charges kernel memory (v2, or v1 with kmem
+   accounting), else by an inode limit: the in-house root's tmpfs has one, and under bubblewrap (whose ``--tmpfs`` has
+   none) the launcher mounts inode-limited ones for bwrap to bind; where neither holds, ``limits`` is missing.
+   :attr:`SandboxResult.mechanism` records which applied.
 6. **Fail closed, for every caller.** :func:`run_python` itself calls :func:`require_sandbox` (probed once per
    limits), which raises one line (what the kernel refused, how to get it) when any of :data:`GUARANTEES` is
    missing, and nothing runs - unless ``allow_weak`` is passed explicitly; then every result's ``weakened`` names

@@ -23,13 +23,14 @@ from tdlm.errors import TDLMError
 
 from . import host
 from .files import fd_with, read_capped, read_nonblocking, read_text, rmtree
+from .interpreter import NOBODY, can_drop_to_nobody, default_python
 from .launcher import LAUNCHER
 from .verdict import DRIVER, excerpt, judge, sample_ops, split_asserts
 
 Status = Literal["passed", "failed", "timeout", "error"]
 Backend = Literal["auto", "bwrap", "inhouse"]
-NOBODY = 65534
 OVERHEAD_TASKS = 4  # launcher / bwrap, the PID namespace's init, the sample's first process, slack
+MAX_SIGPENDING = 256  # RLIMIT_SIGPENDING: queued signals / POSIX timers of the sample's uid (kernel memory)
 SAMPLE_DEVICES = ("null", "zero", "full", "random", "urandom")  # the sample's /dev, on both backends (no pty)
 SAMPLE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
               "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -40,7 +41,8 @@ GUARANTEES = {
     "network": "a network namespace (no network at all, no abstract sockets of the host)",
     "pid": "a PID namespace with its own /proc (no other process visible, leftovers killed)",
     "ipc": "an IPC namespace (no System V / POSIX IPC of the host)",
-    "limits": "aggregate memory / task / CPU limits over the whole process tree (a cgroup, or one process: no fork)",
+    "limits": "aggregate memory / task / CPU limits over the whole process tree, kernel buffers included (a cgroup, "
+              "or one process: no fork, no System V IPC, pipes or Unix sockets; no TCP / UDP through an up loopback)",
     "seccomp": "a seccomp filter denying ptrace, keyctl, setns, mount, unshare and relatives",
     "privileges": "an unprivileged uid without capabilities (never root)",
 }
@@ -117,45 +119,6 @@ class SandboxResult:
     verdict_cpu_s: float | None = None  # CPU seconds of the trusted child that decoded the values and judged
 
 
-# ------------------------------------------------------------------------------------------ interpreter
-_probe_lock = threading.Lock()
-_nobody_ok: dict[str, bool] = {}
-
-
-def _interpreter_fingerprint(argv: list[str], **kw: object) -> str | None:
-    code = "import sys; print(sys.version, sys.prefix, sys.base_prefix, sys.executable)"
-    try:
-        out = subprocess.run(argv + ["-I", "-c", code], capture_output=True, text=True, timeout=30, check=False, **kw)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _can_drop_to_nobody(python: str) -> bool:
-    """Does ``python`` start as nobody *and* resolve to the same installation? Probed once per interpreter."""
-    if os.geteuid() != 0:
-        return False
-    with _probe_lock:
-        if python not in _nobody_ok:
-            mine = _interpreter_fingerprint([python])
-            try:
-                theirs = _interpreter_fingerprint([python], user=NOBODY, group=NOBODY, extra_groups=[], cwd="/")
-            except (OSError, ValueError):
-                theirs = None
-            _nobody_ok[python] = mine is not None and mine == theirs
-        return _nobody_ok[python]
-
-
-def default_python() -> str:
-    """The interpreter for samples: ``sys.executable`` unless only a system ``python3`` can drop to nobody."""
-    if os.geteuid() != 0 or _can_drop_to_nobody(sys.executable):
-        return sys.executable
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(candidate) and _can_drop_to_nobody(candidate):
-            return candidate
-    return sys.executable
-
-
 # ------------------------------------------------------------------------------------------ plan
 @dataclass(frozen=True)
 class _Plan:
@@ -195,7 +158,7 @@ def backend_unavailable(backend: str) -> str | None:
 
 def _base_plan(limits: SandboxLimits, backend: str) -> _Plan:
     notes = []
-    drop_to = NOBODY if _can_drop_to_nobody(limits.python) else None
+    drop_to = NOBODY if can_drop_to_nobody(limits.python) else None
     if os.geteuid() == 0 and drop_to is None:
         notes.append(f"{limits.python} does not run as nobody (uid {NOBODY}): use a system python3")
     try:
@@ -324,7 +287,8 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
     nofork = cg is None
     seccomp_fd = None
     if plan.seccomp:
-        seccomp_fd = fd_with(host.seccomp_program(nofork))
+        # bwrap brings the loopback up and no cgroup v1 charges TCP / UDP buffers: no AF_INET / AF_INET6 there
+        seccomp_fd = fd_with(host.seccomp_program(nofork, plan.backend == "bwrap"))
     root = tempfile.mkdtemp(prefix="tdlm-sandbox-")
     work, stage = os.path.join(root, "work"), os.path.join(root, "root")
     os.mkdir(work)
@@ -350,6 +314,7 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
             "cgroup_procs": cg.procs if cg is not None else [],
             "memory_bytes": limits.memory_bytes, "cpu_s": cpu_s, "file_size_bytes": limits.file_size_bytes,
             "max_open_files": limits.max_open_files, "max_tasks": limits.max_processes + OVERHEAD_TASKS,
+            "max_sigpending": MAX_SIGPENDING,
             "keep_fds": fds, "seccomp_fd": seccomp_fd, "env": SAMPLE_ENV, "workdir": work, "stage": stage,
             "ops": [list(o) for o in plan.interp.ops] if plan.interp is not None else [],
             "tmpfs_bytes": limits.tmpfs_bytes, "tmpfs_inodes": limits.tmpfs_inodes, "devices": list(SAMPLE_DEVICES),
@@ -471,7 +436,10 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
     # bwrap launcher's own tmpfs mounts), else by a cgroup that charges kernel memory; fail closed otherwise
     own_tmpfs = bool(report.get("inodes")) if plan.backend == "bwrap" else flags["filesystem"]
     inodes = own_tmpfs or (cg is not None and cg.kmem)
-    flags["limits"] = mechanism != "rlimit" and inodes
+    # TCP / UDP buffers: a cgroup v1 does not charge them (v2 does). bwrap's loopback is up: the filter refuses
+    # AF_INET / AF_INET6 there; the in-house network namespace's loopback stays down (no route, nothing buffered)
+    inet = (plan.seccomp if plan.backend == "bwrap" else flags["network"]) or mechanism == "cgroup-v2"
+    flags["limits"] = mechanism != "rlimit" and inodes and inet
     backend = plan.backend if (bw or any(report.get(k) for k in ("fs", "net", "pid", "ipc"))) else "none"
     weakened = tuple(k for k in GUARANTEES if not flags[k])
     run_notes = [*notes, *(str(v) for v in (report.get("notes") or {}).values())]

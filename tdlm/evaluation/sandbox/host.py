@@ -12,8 +12,12 @@
   ``pivot_root``, ``chroot``, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``process_vm_*``, ``io_uring`` and
   module / kexec calls fail with ``EPERM``, and so does ``clone`` with any ``CLONE_NEW*`` flag; ``clone3`` returns
   ``ENOSYS`` (glibc falls back to ``clone``); ``socket`` / ``socketpair`` accept only ``AF_UNIX``, ``AF_INET`` and
-  ``AF_INET6`` (``EAFNOSUPPORT`` otherwise: no netlink, packet or vsock sockets); without cgroups also
-  ``fork``/``vfork``/``clone`` without ``CLONE_THREAD`` (threads still work) and ``memfd_create``.
+  ``AF_INET6`` (``EAFNOSUPPORT`` otherwise: no netlink, packet or vsock sockets), and under bubblewrap, whose
+  network namespace has its loopback up, not ``AF_INET`` / ``AF_INET6`` either (no cgroup v1 charges TCP / UDP
+  buffers; the in-house namespace keeps its loopback down); without cgroups also ``fork``/``vfork``/``clone``
+  without ``CLONE_THREAD`` (threads still work), ``memfd_create``, and whatever holds memory outside the one
+  process's address space (:data:`NOCGROUP_SYSCALLS`): System V shared memory, message queues and semaphores,
+  pipes, and ``AF_UNIX`` sockets (``EAFNOSUPPORT``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ DENIED_SYSCALLS = (
     "acct", "quotactl", "name_to_handle_at", "open_by_handle_at", "lookup_dcookie", "personality",
 )  # fmt: skip
 NOFORK_SYSCALLS = ("fork", "vfork", "memfd_create")
+# Without a cgroup only RLIMIT_AS bounds memory, and these hold memory outside the process's address space, in the
+# kernel: detached System V shared memory (in no process's RSS), message queues and semaphore arrays (an IPC
+# namespace's default limits allow tens of GiB), pipe buffers (up to the host-wide 64 MiB per uid). POSIX message
+# queues are closed by RLIMIT_MSGQUEUE 0 in the launcher; AF_UNIX socket buffers by NOCGROUP_FAMILIES below.
+NOCGROUP_SYSCALLS = ("shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop",
+                     "semtimedop", "semctl", "pipe", "pipe2")  # fmt: skip
+NOCGROUP_FAMILIES = (1,)  # AF_UNIX: its buffers are charged to a cgroup, and bounded by nothing else
+INET_FAMILIES = (2, 10)  # AF_INET, AF_INET6: refused where the sample's loopback is up (bubblewrap)
 CLONE_THREAD = 0x00010000
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: clone() with any of them is refused in every
 # mode (a nested user namespace would give the sample every capability over it, netfilter sockets included);
@@ -344,15 +356,16 @@ def cgroups() -> Cgroups:
 
 
 # ------------------------------------------------------------------------------------------ seccomp
-@functools.lru_cache(maxsize=4)
-def seccomp_program(nofork: bool) -> bytes:
-    """The BPF program (see the module docstring). Raises ImportError / OSError if libseccomp is unavailable."""
+@functools.lru_cache(maxsize=8)
+def seccomp_program(nofork: bool, no_inet: bool = False) -> bytes:
+    """The BPF program (see the module docstring): ``nofork`` for the no-cgroup fallback, ``no_inet`` where the
+    sample's loopback is up. Raises ImportError / OSError if libseccomp is unavailable."""
     import errno
 
     import pyseccomp as sc
 
     f = sc.SyscallFilter(defaction=sc.ALLOW)
-    names = DENIED_SYSCALLS + (NOFORK_SYSCALLS if nofork else ())
+    names = DENIED_SYSCALLS + (NOFORK_SYSCALLS + NOCGROUP_SYSCALLS if nofork else ())
     for name in names:
         try:
             f.add_rule(sc.ERRNO(errno.EPERM), name)
@@ -366,10 +379,11 @@ def seccomp_program(nofork: bool) -> bytes:
     # falls back to clone, which the rules above check
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     # the family is compared as the full 64-bit register, so high bits cannot smuggle a denied family past it
+    allowed = set(ALLOWED_FAMILIES) - set(NOCGROUP_FAMILIES if nofork else ()) - set(INET_FAMILIES if no_inet else ())
     for call in ("socket", "socketpair"):
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.GT, max(ALLOWED_FAMILIES)))
-        for family in range(max(ALLOWED_FAMILIES)):
-            if family not in ALLOWED_FAMILIES:
+        for family in range(max(ALLOWED_FAMILIES) + 1):
+            if family not in allowed:
                 f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, family))
     buf = io.BytesIO()
     # export_bpf wants a real file descriptor

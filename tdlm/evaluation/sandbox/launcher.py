@@ -4,7 +4,8 @@ It runs as ``python -I -S -B -c LAUNCHER <hex of marshal(cfg)>`` (single-threade
 inherits no locks; ``marshal`` because importing ``json`` costs more than the rest of the launcher) and reports
 what it achieved as ``repr`` lines of dicts (read with ``ast.literal_eval``) on an inherited close-on-exec pipe
 (EOF without an ``exec_failed`` line means the final ``exec`` succeeded). ``ctypes`` is imported only by the
-in-house backend. Order: join the per-sample cgroups -> rlimits -> then one of
+in-house backend. Order: join the per-sample cgroups -> rlimits (``RLIMIT_MSGQUEUE`` 0 and a small
+``RLIMIT_SIGPENDING`` among them) -> then one of
 
 - ``bwrap`` backend: unless a cgroup that charges kernel memory bounds the files, mount the sample's ``/tmp`` and
   ``/dev/shm`` as size- and inode-limited tmpfs in a private mount namespace (a user namespace of its own first
@@ -88,6 +89,10 @@ setlim(R.RLIMIT_CPU, cfg["cpu_s"], cfg["cpu_s"] + 1)  # soft -> SIGXCPU, hard ->
 setlim(R.RLIMIT_FSIZE, cfg["file_size_bytes"])
 setlim(R.RLIMIT_NOFILE, cfg["max_open_files"])
 setlim(R.RLIMIT_CORE, 0)
+# kernel memory no address-space limit sees, counted per uid: POSIX message queues (none), and the queued signals
+# that POSIX timers hold (the default lets every uid keep ~100,000 of them, ~30 MiB)
+setlim(R.RLIMIT_MSGQUEUE, 0)
+setlim(R.RLIMIT_SIGPENDING, cfg["max_sigpending"])
 keep = cfg["keep_fds"]
 
 def drop_uid():
@@ -371,7 +376,8 @@ if not pid:
 def mirror(status):
     if os.WIFSIGNALED(status):  # die the same way, so returncode == -sig on both paths
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (their disposition cannot be set: EINVAL)
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.waitstatus_to_exitcode(status))
 

@@ -4,14 +4,17 @@ explicit budgets, in a short-lived child process of the evaluator that never run
 The evaluator runs this file as ``python -I -S -B trusted.py`` (a small pool of them, reused:
 :func:`tdlm.evaluation.sandbox.verdict.judge`); each job comes on stdin as ``marshal`` of plain data written by the
 evaluator (never by the sample), the answer goes to stdout the same way. The sample's bytes are only ever parsed
-here, as JSON lines, by :func:`decode_values`. Budgets (:data:`BUDGETS`): nesting depth, elements (every decoded
-node counts), hex digits of an int / float, CPU seconds per job (``ITIMER_PROF``, whose default action ends this
-process mid-call; the evaluator then starts a fresh one) and address space (``RLIMIT_AS``). A value past a budget
-fails its sample;
-so does any exception (OverflowError of ``float.fromhex("0x1p+99999")``, MemoryError, a TypeError of the
-assert), with one line; a process killed by its CPU limit is reported by the evaluator. Nothing raises out of
-here, and the evaluator never spends more than the budget on one sample: a set of hash-colliding ints costs
-quadratic time to build, but only up to the CPU limit.
+here, as JSON lines, by :func:`decode_values`: tagged builtins, and dict views, ``range``, ``bytearray``,
+``Fraction``, ``Decimal``, ``deque`` and a lazy iterator (the whole value only: its drained items, replayed by a
+fresh generator / ``map`` / ``filter`` that ends as the sample's did) rebuilt as those types. Each check is evaluated
+with the values bound as globals, so a lambda or a comprehension body reads them as any name (as eval locals a
+nested scope could not on 3.11, and a comprehension could on 3.12). Budgets (:data:`BUDGETS`): nesting depth,
+elements (every decoded node counts), hex digits of an int / float, characters of a Decimal, CPU seconds per job
+(``ITIMER_PROF``, whose default action ends this process mid-call; the evaluator then starts a fresh one) and
+address space (``RLIMIT_AS``). A value past a budget fails its sample; so does any exception (OverflowError of
+``float.fromhex("0x1p+99999")``, MemoryError, a TypeError of the assert), with one line; a process killed by its CPU
+limit is reported by the evaluator. Nothing raises out of here, and the evaluator never spends more than the budget
+on one sample: a set of hash-colliding ints costs quadratic time to build, but only up to the CPU limit.
 
 Stdlib only, and importable as a module (the unit tests call :func:`decode_values` / :func:`judge_job` directly).
 """
@@ -31,11 +34,46 @@ BUDGETS = {
     "elements": 200_000,  # decoded nodes of all values of one sample
     "int_hex_digits": 4096,  # one int: 16,384 bits (about 4,900 decimal digits)
     "float_chars": 40,  # one float.hex() string ("-0x1.fffffffffffffp+1023" is 24)
+    "decimal_chars": 8192,  # one decimal.Decimal string
+    "lazy_items": 50_000,  # items the sample drains from one lazy iterator it returns (then: "cut")
+    "lazy_bytes": 1 << 19,  # encoded bytes of those items (then: "cut"): 7 such values fit the 4 MiB of values
     "cpu_s": 1,  # CPU seconds of one job (ITIMER_PROF)
     "memory_bytes": 1 << 30,  # RLIMIT_AS of this process
 }
 PLACEHOLDER = "_tdlm_v"
 SEQUENCES = {"l": list, "t": tuple, "s": set, "z": frozenset}
+VIEWS = {"vk": lambda xs: dict.fromkeys(xs).keys(), "vv": lambda xs: dict(enumerate(xs)).values(),
+         "vi": lambda xs: dict(xs).items()}  # fmt: skip
+LAZY_KINDS = ("generator", "map", "filter", "iterator")
+LAZY_ENDS = ("end", "err", "cut")
+
+
+def _replay(items: list, end: str, why: str):  # noqa: ANN202 - a generator
+    """The sample's lazy value as the assert consumes it: its items, then its end (exhausted, the exception it
+    raised there, or the cut at the drain budget), at the same place."""
+    yield from items
+    if end == "err":
+        raise RuntimeError(f"the candidate's iterator raised {why} after {len(items)} items")
+    if end == "cut":
+        raise RuntimeError(f"the candidate's iterator was cut after {len(items)} items (the sample's drain budget)")
+
+
+def lazy(kind: str, items: list, end: str, why: str) -> object:
+    """A fresh iterator of ``kind`` (a generator, a ``map`` / ``filter`` object) that replays ``items``."""
+    g = _replay(items, end, why)
+    if kind == "map":
+        return map(_same, g)
+    if kind == "filter":
+        return filter(_keep, g)
+    return g
+
+
+def _same(x: object) -> object:
+    return x
+
+
+def _keep(x: object) -> bool:
+    return True
 
 
 class _JSONContext:
@@ -103,10 +141,42 @@ class _Decoder:
             items = [self.value(v, depth + 1) for v in rest[0]]
             return SEQUENCES[tag](items)  # TypeError for an unhashable element
         if tag == "d" and len(rest) == 1 and type(rest[0]) is list:
-            items = [self.value(v, depth + 1) for v in rest[0]]
-            if not all(type(kv) is tuple and len(kv) == 2 for kv in items):
-                raise BadValue("a dict item is not a (key, value) pair")
-            return dict(items)
+            return dict(self.pairs(rest[0], depth))
+        return self.other(tag, rest, depth)
+
+    def pairs(self, raw: list, depth: int) -> list:
+        items = [self.value(v, depth + 1) for v in raw]
+        if not all(type(kv) is tuple and len(kv) == 2 for kv in items):
+            raise BadValue("a dict item is not a (key, value) pair")
+        return items
+
+    def other(self, tag: str, rest: list, depth: int) -> object:
+        """The values a plain builtin cannot hold: dict views, ``range``, ``bytearray``, ``Fraction``, ``Decimal``,
+        ``deque``, and a lazy iterator (only as the whole value: its items were drained where it was returned)."""
+        ints = self.b["int_hex_digits"] + 1
+        if tag in VIEWS and len(rest) == 1 and type(rest[0]) is list:
+            items = self.pairs(rest[0], depth) if tag == "vi" else [self.value(v, depth + 1) for v in rest[0]]
+            return VIEWS[tag](items)
+        if tag == "r" and len(rest) == 3:
+            return range(*(self.number("i", x, ints) for x in rest))
+        if tag == "ba" and len(rest) == 1 and isinstance(rest[0], str):
+            return bytearray.fromhex(rest[0])
+        if tag == "q" and len(rest) == 2:
+            from fractions import Fraction
+
+            return Fraction(*(self.number("i", x, ints) for x in rest))
+        if tag == "D" and len(rest) == 1 and isinstance(rest[0], str) and len(rest[0]) <= self.b["decimal_chars"]:
+            from decimal import Decimal
+
+            return Decimal(rest[0])
+        if tag == "dq" and len(rest) == 2 and type(rest[0]) is list:
+            from collections import deque
+
+            maxlen = None if rest[1] is None else self.number("i", rest[1], ints)
+            return deque([self.value(v, depth + 1) for v in rest[0]], maxlen)
+        if tag == "it" and depth == 0 and len(rest) == 4 and type(rest[1]) is list and rest[0] in LAZY_KINDS \
+                and rest[2] in LAZY_ENDS and isinstance(rest[3], str):  # fmt: skip
+            return lazy(rest[0], [self.value(v, depth + 1) for v in rest[1]], rest[2], rest[3][:200])
         raise BadValue(f"unknown tag {tag!r}")
 
 
@@ -185,10 +255,10 @@ def judge_job(job: dict[str, object]) -> dict[str, object]:
             why = errors.get(missing[0], "no value came back (the program ended or timed out first)")
             ok = False
         else:
-            local = {f"{PLACEHOLDER}{k}": values[i] for k, i in refs}
+            scope = {**env, **{f"{PLACEHOLDER}{k}": values[i] for k, i in refs}}  # globals: nested scopes read them
             try:
                 code = compile(source, f"<test {j + 1}>", "eval", dont_inherit=True)
-                ok = bool(eval(code, dict(env), local))  # noqa: S307 - the dataset's own assert, decoded values
+                ok = bool(eval(code, scope))  # noqa: S307 - the dataset's own assert, decoded values
             except Exception as e:  # noqa: BLE001 - a wrong type from the sample, a MemoryError, ...
                 ok, why = False, _why(e)
             if not ok and not why:

@@ -4,15 +4,18 @@ come back and evaluates the rest, under budgets.
 
 - :func:`split_asserts` (evaluator, before the sample runs) applies the assert grammar of
   :func:`tdlm.tasks.mbpp.plan_assert`: the candidate's names come from the task's reference solution (bound at
-  any depth; without one, every name that is not a builtin or imported). Each maximal ``name(.attr)*`` or
-  ``name(.attr)*(args)`` rooted at such a name goes to the sample; its arguments are computed here, from the
-  dataset's text, and sent as values (marshal, builtins only), or are the result of another such call, kept in
-  the sample. Everything else - the comparison, the expected side, lambdas, methods of the returned values,
-  subscripts, ``test_imports`` modules - is the trusted check. ``assert set(similar((3, 4), (4, 5))) ==
-  set((4,))`` sends ``similar`` with the arguments ``(3, 4)``, ``(4, 5)`` and keeps ``set(_tdlm_v0) ==
-  set((4,))``; ``f(x).startswith("PY")`` sends ``f(x)`` only. A shape the grammar cannot split (a call whose
-  arguments use names the assert binds, ``is`` between the candidate's values ...) raises :class:`TDLMError`
-  before anything runs; MBPP refuses such a task when it loads.
+  any depth; without one, the names the assert calls that are not builtins or imported: a bare name used as a
+  value is then refused, never the sample's). Each maximal ``name(.attr)*`` or ``name(.attr)*(args)`` rooted at
+  such a name goes to the sample; its arguments are computed here, from the dataset's text, and sent as values
+  (marshal, builtins only), or are the result of another such call, kept in the sample. Everything else - the
+  comparison, the expected side, lambdas, methods of the returned values, subscripts, ``test_imports`` modules -
+  is the trusted check. ``assert set(similar((3, 4), (4, 5))) == set((4,))`` sends ``similar`` with the
+  arguments ``(3, 4)``, ``(4, 5)`` and keeps ``set(_tdlm_v0) == set((4,))``; ``f(x).startswith("PY")`` sends
+  ``f(x)`` only. Exactly one value per assert comes back, from a sub-expression Python evaluates exactly once
+  and unconditionally; a shape the grammar cannot split that way (two values back, a call after ``and`` / ``or``
+  or in a lambda or comprehension body, a call whose arguments use names the assert binds, ``is`` between the
+  candidate's values, an assert that calls nothing of the candidate's ...) raises :class:`TDLMError` before
+  anything runs; MBPP refuses such a task when it loads.
 - :func:`judge` hands the sample's bytes to :mod:`.trusted` in a child process (``python -I -S -B``, one of a
   reused pool; a CPU timer per job, RLIMIT_AS, a wall clock; a process that dies is replaced): strict decoding
   of tagged builtins with depth / element / digit budgets, then each check with the real builtins and the
@@ -20,13 +23,19 @@ come back and evaluates the rest, under budgets.
   and the evaluator's own process never parses the sample's values.
 
 Sample side: :data:`DRIVER` runs as ``python -I -S -B -c DRIVER`` inside the sandbox. It reads ``main.py`` and the
-calls from an inherited file, runs the program as module ``__main__``, then for each call looks its root up in
-the program's globals only (a missing name is a NameError: a builtin never answers for the candidate), reads
-the attributes, calls with the evaluator's argument values, and writes ``[index, "ok", value]`` / ``[index,
-"err", "Type: message"]`` lines for the values the evaluator asked for; then ``os._exit(0)``. Its serialiser
-sends the builtin types (numbers, str, bytes, bool, None, list/tuple/dict/set/frozenset); an instance of a
-subclass of one of them (a ``Counter``, a ``namedtuple``) goes as the base type's value, so no overridden
-``__eq__`` travels; anything else fails. The decoder trusts nothing the encoder claims.
+calls from an inherited file, runs the program as module ``__main__``, then for each assert's sent call evaluates
+it in Python's order: the root looked up in the program's globals only (a missing name is a NameError: a builtin
+never answers for the candidate), the attributes, then each argument left to right (a call of the candidate's
+among them evaluated there, its object passed on as Python would), then the call. It writes ``[index, "ok",
+value]`` / ``[index, "err", "Type: message"]`` lines; then ``os._exit(0)``. Its serialiser sends the builtin types
+(numbers, str, bytes, bool, None, list/tuple/dict/set/frozenset); an instance of a subclass of one of them (a
+``Counter``, a ``namedtuple``) goes as the base type's value, so no overridden ``__eq__`` travels. Dict views,
+``range``, ``bytearray``, ``Fraction``, ``Decimal`` and ``deque`` go tagged and come back as the same type. A lazy
+iterator (a generator, ``map``, ``filter``, any iterator) that is the whole value is drained right after its call
+- the last thing its assert runs in the sample, so nothing of the candidate's runs between - up to the drain
+budget (:data:`.trusted.BUDGETS` ``lazy_items`` / ``lazy_bytes``), and is replayed on the trusted side as an
+iterator of the same kind ending the same way (exhausted, the exception it raised, or cut at the budget); an
+iterator inside a container fails. Anything else fails. The decoder trusts nothing the encoder claims.
 """
 
 from __future__ import annotations
@@ -293,7 +302,7 @@ def excerpt(text: str, n: int = 160) -> str:
 # only trusted as *values*: whatever it does to itself, it can only report plain data back.
 DRIVER = r"""
 def _tdlm_driver():
-    import marshal, os, sys, types
+    import _collections_abc, marshal, os, sys, types
     payload_fd, out = (int(x) for x in sys.argv[1].split(","))
     chunks = []
     while True:
@@ -335,10 +344,18 @@ def _tdlm_driver():
                 else:
                     out.append("\\u%04x\\u%04x" % (0xD7C0 + (n >> 10), 0xDC00 + (n & 0x3FF)))
             return '"' + "".join(out) + '"'
-    write, _hex, _isinstance, _str, _len = os.write, float.hex, isinstance, str, len
+    write, _hex, _isinstance, _str, _next, _iter = os.write, float.hex, isinstance, str, next, iter
+    mods = sys.modules
     # Exact builtins, and instances of their subclasses as the base type's value (a Counter as a dict, a namedtuple
     # as a tuple): equality with a builtin expected value is unchanged, and no overridden method travels.
     SEQ = ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "z"))
+    VIEWS = ((type({}.keys()), "vk"), (type({}.values()), "vv"))
+    ITEMS = type({}.items())
+    ITER = _collections_abc.Iterator
+    LAZY_ITEMS, LAZY_BYTES = @LAZY_ITEMS@, @LAZY_BYTES@
+
+    def hexint(n):
+        return '"%s"' % int.__format__(int(n), "x")
 
     def enc(v, depth):
         if v is None:
@@ -363,46 +380,92 @@ def _tdlm_driver():
         for t, tag in SEQ:
             if _isinstance(v, t):
                 return '["%s",[%s]]' % (tag, ",".join(enc(x, depth + 1) for x in t.__iter__(v)))
-        raise TypeError("unsupported type " + type(v).__name__)
+        return other(v, depth)
+
+    def other(v, depth):
+        # values a builtin above cannot hold, rebuilt as the same type by the trusted side
+        for t, tag in VIEWS:
+            if _isinstance(v, t):
+                return '["%s",[%s]]' % (tag, ",".join(enc(x, depth + 1) for x in v))
+        if _isinstance(v, ITEMS):
+            return '["vi",[%s]]' % ",".join('["t",[%s,%s]]' % (enc(k, depth + 2), enc(x, depth + 2)) for k, x in v)
+        if _isinstance(v, range):
+            return '["r",%s,%s,%s]' % (hexint(v.start), hexint(v.stop), hexint(v.step))
+        if _isinstance(v, bytearray):
+            return '["ba","%s"]' % bytes(v).hex()
+        m = mods.get("fractions")
+        if m is not None and _isinstance(v, m.Fraction):
+            return '["q",%s,%s]' % (hexint(v.numerator), hexint(v.denominator))
+        m = mods.get("decimal")
+        if m is not None and _isinstance(v, m.Decimal):
+            return '["D",%s]' % quote(m.Decimal.__str__(v))
+        m = mods.get("collections")
+        if m is not None and _isinstance(v, m.deque):
+            n = v.maxlen
+            return '["dq",[%s],%s]' % (",".join(enc(x, depth + 1) for x in m.deque.__iter__(v)),
+                                       "null" if n is None else hexint(n))
+        if depth == 0 and _isinstance(v, ITER):
+            return drain(v)
+        raise TypeError("unsupported type " + type(v).__name__ + (" (a lazy iterator inside a container)"
+                                                                   if _isinstance(v, ITER) else ""))
+
+    def drain(v):
+        # A lazy value, as the assert would consume it: its items now (the call was the assert's last step in the
+        # sample), up to the budget, and how it ended: exhausted, an exception, or cut at the budget.
+        kind = ("generator" if _isinstance(v, types.GeneratorType) else "map" if _isinstance(v, map)
+                else "filter" if _isinstance(v, filter) else "iterator")
+        parts, size, end, why = [], 0, "end", ""
+        it = _iter(v)
+        while True:
+            try:
+                x = _next(it)
+            except StopIteration:
+                break
+            except BaseException as e:
+                end, why = "err", (type(e).__name__ + ": " + str(e))[:200]
+                break
+            if len(parts) >= LAZY_ITEMS or size >= LAZY_BYTES:
+                end = "cut"
+                break
+            parts.append(enc(x, 1))
+            size += len(parts[-1])
+        return '["it",%s,[%s],%s,%s]' % (quote(kind), ",".join(parts), quote(end), quote(why))
 
     exec(code, main.__dict__)
     g = main.__dict__
-    results = {}
+    nested = {x for op in calls if op[2] is not None
+              for x in [x for k, x in op[2][0] if k == "r"] + [x for _, k, x in op[2][1] if k == "r"]}
 
-    def arg(kind, x):
-        if kind != "r":
-            return x
-        if x not in results:
-            raise NameError("an argument's own call failed")
-        return results[x]
+    def run(i):
+        # Python's order: the callable (its name in the program's globals, then the attributes), then each
+        # argument left to right, a call of the candidate's evaluated there, on the object Python would pass
+        root, attrs, call, sent = calls[i]
+        if root not in g:  # the program's globals only: a builtin never answers for the candidate
+            raise NameError("name %r is not defined" % root)
+        obj = g[root]
+        for a in attrs:
+            obj = getattr(obj, a)
+        if call is None:
+            return obj
+        args, kwargs = [], {}
+        for kind, x in call[0]:
+            if kind == "s":
+                args.extend(x)
+            else:
+                args.append(run(x) if kind == "r" else x)
+        for name, kind, x in call[1]:
+            if kind == "d":
+                kwargs.update(x)
+            else:
+                kwargs[name] = run(x) if kind == "r" else x
+        return obj(*args, **kwargs)
 
-    for i, (root, attrs, call, sent) in enumerate(calls):
+    for i in range(len(calls)):
+        if i in nested or not calls[i][3]:  # an argument of a later call: evaluated there, in Python's order
+            continue
         try:
-            if root not in g:  # the program's globals only: a builtin never answers for the candidate
-                raise NameError("name %r is not defined" % root)
-            obj = g[root]
-            for a in attrs:
-                obj = getattr(obj, a)
-            if call is not None:
-                args, kwargs = [], {}
-                for kind, x in call[0]:
-                    if kind == "s":
-                        args.extend(x)
-                    else:
-                        args.append(arg(kind, x))
-                for name, kind, x in call[1]:
-                    if kind == "d":
-                        kwargs.update(x)
-                    else:
-                        kwargs[name] = arg(kind, x)
-                obj = obj(*args, **kwargs)
-            results[i] = obj
-            if not sent:
-                continue
-            rec = '[%d,"ok",%s]' % (i, enc(obj, 0))
+            rec = '[%d,"ok",%s]' % (i, enc(run(i), 0))
         except BaseException as e:  # SystemExit / KeyboardInterrupt too: the value is missing, the run goes on
-            if not sent:
-                continue
             rec = '[%d,"err",%s]' % (i, quote((type(e).__name__ + ": " + str(e))[:200]))
         write(out, (rec + "\n").encode())
     for stream in (sys.stdout, sys.stderr):  # os._exit skips the interpreter's own flush
@@ -413,5 +476,5 @@ def _tdlm_driver():
     os._exit(0)
 
 _tdlm_driver()
-"""
+""".replace("@LAZY_ITEMS@", str(BUDGETS["lazy_items"])).replace("@LAZY_BYTES@", str(BUDGETS["lazy_bytes"]))
 
