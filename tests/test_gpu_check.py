@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -32,6 +34,7 @@ def stage(tmp_path, name: str) -> dict:
     return json.loads((tmp_path / f"gpu_{name}_dryrun.json").read_text())
 
 
+@pytest.mark.slow  # child processes under wall-clock deadlines: run where no other test competes
 def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     proc, _ = run_check(tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -78,6 +81,7 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
 SLOW = ["llada-8b/b1/none/eager", "llada-8b/b1/dual/eager", "dream-7b/b1/none/eager"]
 
 
+@pytest.mark.slow  # child processes under wall-clock deadlines: run where no other test competes
 def test_a_slow_setting_hits_the_deadline_and_every_finished_setting_stays(tmp_path):
     # The second setting's tdlm policy hangs after its threshold policy finished: the overall deadline (60 s, less
     # the 10 s reserve; a child's start takes 5-20 s on a busy 2-core machine) must stop the stage's child; the
@@ -99,6 +103,7 @@ def test_a_slow_setting_hits_the_deadline_and_every_finished_setting_stays(tmp_p
     assert pvm["stages"]["nfe"]["items"][SLOW[1]] == "deadline"
 
 
+@pytest.mark.slow  # child processes under wall-clock deadlines: run where no other test competes
 def test_a_setting_past_its_cap_or_with_a_cuda_error_is_given_up_and_the_next_runs_in_a_new_child(tmp_path):
     settings = [*SLOW, "dream-7b/b1/dual/eager"]
     proc, _ = run_check(tmp_path, "--stages", "nfe", "--nfe-settings", ",".join(settings), "--setting-cap-s", "6",
@@ -110,6 +115,7 @@ def test_a_setting_past_its_cap_or_with_a_cuda_error_is_given_up_and_the_next_ru
     assert nfe["status"] == "failed" and "CUDA error" in nfe["rows"][2]["error"]
 
 
+@pytest.mark.slow  # child processes under wall-clock deadlines: run where no other test competes
 def test_a_failing_setting_and_a_nan_loss_are_failures_and_the_next_stage_still_runs(tmp_path):
     proc, _ = run_check(tmp_path, "--stages", "train,deepspeed", hooks="raise:train:all;nan:deepspeed")
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]

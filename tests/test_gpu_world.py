@@ -91,6 +91,7 @@ def _order(events: list, name: str) -> int:
     return next(i for i, e in enumerate(events) if e[0] == name)
 
 
+@pytest.mark.slow  # two DeepSpeed ranks (and, on a fresh machine, its CPU comm op's first build)
 def test_two_rank_gpu_launch_binds_each_rank_before_its_first_collective(tmp_path, traj):
     recs = _simulated_launch(tmp_path, REPO, traj)
     assert sorted(recs) == [0, 1]
@@ -104,6 +105,7 @@ def test_two_rank_gpu_launch_binds_each_rank_before_its_first_collective(tmp_pat
         assert not [e for e in ev if e[0] == "jit_op"], ev  # no FusedAdam nvcc build at a GPU launch
 
 
+@pytest.mark.slow  # two DeepSpeed ranks (and, on a fresh machine, its CPU comm op's first build)
 def test_the_start_up_defect_planted_back_fails_on_rank_1(tmp_path, traj):
     """The order before the fix: process group, launch id broadcast (no device given), *then* set_device. Rank 1's
     broadcast stages on cuda:0 while its group is bound to cuda:1: NCCL's error, as on every multi-GPU node."""
@@ -189,12 +191,23 @@ def test_a_cuda_out_of_memory_is_not_a_lost_peer():
 
 
 # -- torch.compile on CUDA --------------------------------------------------------------------------------------
-def test_compile_on_cuda_names_a_missing_c_compiler(monkeypatch, tmp_path):
+@pytest.fixture
+def triton_present(monkeypatch):
+    """``torch.utils._triton.has_triton`` says yes for this test only. The modules check_compile's path imports
+    are imported first, under the real one: inductor modules bind ``has_triton`` by name when first imported, and
+    one bound to the fake would leave every later compile in this process looking for triton (a test file that
+    runs first in its pytest-xdist worker did exactly that to test_compile.py)."""
     import torch.utils._triton as triton_probe
 
     from tdlm.decoding.loop import check_compile
 
+    check_compile(True, "cpu")
     monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
+
+
+def test_compile_on_cuda_names_a_missing_c_compiler(monkeypatch, tmp_path, triton_present):
+    from tdlm.decoding.loop import check_compile
+
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(TDLMError, match=r"^compile=True: triton builds its kernel launcher with a C compiler .* "
@@ -208,14 +221,11 @@ def test_compile_on_cuda_names_a_missing_c_compiler(monkeypatch, tmp_path):
     assert check_compile(False, "cuda") is None  # eager needs nothing
 
 
-def test_compile_on_cuda_names_missing_python_headers(monkeypatch, tmp_path):
+def test_compile_on_cuda_names_missing_python_headers(monkeypatch, tmp_path, triton_present):
     import sysconfig
-
-    import torch.utils._triton as triton_probe
 
     from tdlm.decoding.loop import check_compile
 
-    monkeypatch.setattr(triton_probe, "has_triton", lambda: True)
     monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"include": str(tmp_path)})
     with pytest.raises(TDLMError, match=r"this Python's headers are missing .*Python\.h"):
         check_compile(True, "cuda")
