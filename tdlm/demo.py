@@ -11,11 +11,13 @@ through the real entry point a cluster user runs:
 3. training: ``deepspeed --num_gpus 2 launcher/train.py --ds ds_configs/zero3.json --config
    configs/tiny_multi.yaml`` (2 CPU ranks, ZeRO-3, activation checkpointing);
 4. evaluation: ``eval/run.py`` on the held-out *test* split for ``original``, ``threshold`` and ``tdlm``, each
-   policy over a tau sweep (greedy; batched, which leaves tokens and per-request NFE as at batch 1);
+   policy over a tau sweep (greedy; batched, which leaves tokens and per-request NFE as at batch 1), and dInfer's
+   training-free ``credit`` and ``soft`` (:mod:`tdlm.decoding.reuse`, dInfer's default weights) at tau 0.9;
 5. diagnostic: for positions that stay masked three or more evaluations, how often the finally committed token
    equals each earlier evaluation's argmax (:mod:`tdlm.decoding.prediction_history`), backbone and TDLM at tau 0.9;
 6. report: ``runs/demo/report.md`` with both frontiers (accuracy +- standard error vs mean NFE, and seconds per
-   sample), the Pareto plot, the diagnostic, and the target's outcome (TDLM within 1 point of the threshold
+   sample), every run paired with threshold tau 0.9 and TDLM tau 0.95 with each training-free baseline on the same
+   problems, the Pareto plot, the diagnostic, and the target's outcome (TDLM within 1 point of the threshold
    baseline's accuracy at <= 0.8x its NFE and <= 0.85x its seconds at some tau, with the training-seed spread
    of ``bench/results/seed_variance.json``).
 
@@ -61,6 +63,8 @@ DEMO_TRAIN_CONFIG = "configs/tiny_multi.yaml"
 # suite) always stays eager.
 DEMO_COMPILE = os.environ.get("DEMO_COMPILE") == "1"
 BASELINE_TAU = 0.9  # the issue's reference point: threshold at tau 0.9
+REUSE_BASELINES = ("credit", "soft")  # dInfer's training-free baselines, decoded at BASELINE_TAU
+TDLM_PAIRED_TAU = 0.95  # the TDLM setting paired with each of them
 NFE_TARGET, SECONDS_TARGET, ACCURACY_SLACK = 0.8, 0.85, 0.01  # <= 0.8x NFE, <= 0.85x seconds, within 1 point
 SEED_VARIANCE = REPO / "bench" / "results" / "seed_variance.json"
 
@@ -211,7 +215,7 @@ def frontier_table(runs: list[dict]) -> str:
     """Markdown: every run as (method, tau, accuracy +- SE, mean NFE, x threshold-0.9 NFE, seconds per sample +- se,
     x threshold-0.9 seconds), by method then tau."""
     base = next((r for r in runs if r["policy"] == "threshold" and r["threshold"] == BASELINE_TAU), None)
-    order = {"original": 0, "threshold": 1, "tdlm": 2}
+    order = {"original": 0, "threshold": 1, "credit": 2, "soft": 3, "tdlm": 4}
     rows = sorted(runs, key=lambda r: (order.get(r["policy"], 9), -(r.get("threshold") or 1.0)))
     lines = ["| method | tau | accuracy | NFE (mean) | NFE / threshold-0.9 NFE | seconds / sample (± se) | "
              "seconds / threshold-0.9 seconds |", "|---|---|---|---|---|---|---|"]
@@ -227,6 +231,29 @@ def frontier_table(runs: list[dict]) -> str:
                      f"{100 * standard_error(r['accuracy'], r['n']):.1f}% | {r['nfe_mean']:.2f} | {ratio} | "
                      f"{secs} | {sratio} |")
     return "\n".join(lines)
+
+
+def baseline_pairs(runs: list[dict], tau: float = TDLM_PAIRED_TAU) -> str:
+    """Markdown: TDLM at ``tau`` (fast mode, without one: its largest tau) against each training-free baseline
+    (credit, soft at BASELINE_TAU), paired on the same problems (:func:`tdlm.evaluation.paired.paired_against`, with
+    each baseline as the reference)."""
+    from tdlm.evaluation.paired import paired_against, run_name
+    from tdlm.evaluation.report import method_label, paired_cells
+
+    tdlms = sorted((r for r in runs if r["policy"] == "tdlm"), key=lambda r: (r.get("threshold") == tau,
+                                                                             r.get("threshold") or 0.0))  # fmt: skip
+    tdlm = tdlms[-1] if tdlms else None
+    bases = [r for r in runs if r["policy"] in REUSE_BASELINES and r.get("threshold") == BASELINE_TAU]
+    if tdlm is None or not bases:
+        return f"No TDLM tau {tau:g} run or no training-free baseline at tau {BASELINE_TAU:g}: nothing to pair."
+    lines = ["| run | reference | n | Δacc (pp) [95% CI] | McNemar p (b/c) | NFE ratio [95% CI] | s ratio [95% CI] |",
+             "|---|---|---|---|---|---|---|"]
+    for b in bases:
+        p = paired_against([tdlm, b], run_name(b))[0]
+        cells = [p["skipped"], "–", "–", "–"] if "skipped" in p else paired_cells(p)
+        lines.append(f"| {method_label(tdlm)} | {method_label(b)} | {p.get('n', '–')} | {' | '.join(cells)} |")
+    return ("Δacc = TDLM − baseline accuracy; ratios = baseline mean ÷ TDLM mean (> 1: TDLM needs fewer NFE / "
+            "seconds); intervals and test as in the table above.\n\n" + "\n".join(lines))
 
 
 def run_diagnostic(adapter: Path, plan: DemoPlan, min_masked: int = 3) -> list[dict]:
@@ -401,7 +428,8 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="The whole pipeline on the shipped tiny-multi backbone, each stage through the entry point a "
                     "cluster user runs: teacher trajectories (Ray, 2 actors), training (deepspeed, 2 CPU ranks, "
-                    "ZeRO-3), evaluation of original / threshold / tdlm on the held-out test split, the "
+                    "ZeRO-3), evaluation of original / threshold / tdlm and dInfer's training-free credit / soft on "
+                    "the held-out test split, the "
                     "prediction-history diagnostic, and runs/demo/report.md. Rerunning resumes from what is on disk.",
         epilog="environment variables (the demo has no flags):\n"
                "  DEMO_DIR=PATH             output folder (default: runs/demo in the repository)\n"
@@ -465,7 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     _run([py, "eval/run.py", "--backbone", DEMO_BACKBONE, "--adapter", f"demo={train_dir / 'adapter'}",
           "--tasks", DEMO_TASK, "--limit", str(plan.test_problems), "--policies", "original", "threshold", "tdlm",
-          "--thresholds", *map(str, plan.thresholds), "--tdlm-thresholds", *map(str, plan.tdlm_thresholds),
+          *REUSE_BASELINES, "--thresholds", *map(str, plan.thresholds), "--tdlm-thresholds",
+          *map(str, plan.tdlm_thresholds), "--credit-thresholds", str(BASELINE_TAU), "--soft-thresholds",
+          str(BASELINE_TAU),
           "--dtype", DTYPE, "--gen-length", str(MULTI_GEN_LENGTH), "--block-size", str(plan.block_size),
           "--batch-size", str(plan.eval_batch_size), "--warmup", "0", "--workers", "2", "--output-dir", str(ev),
           "--group", "demo", *(["--compile", "true"] if plan.compile else [])],
@@ -521,6 +551,13 @@ Total wall time {minutes:.1f} min ({stages}).
 
 ## Paired on the same problems
 {paired_table(runs, f"threshold-tau{BASELINE_TAU:g}")}
+
+### TDLM against the training-free baselines
+TDLM at tau {TDLM_PAIRED_TAU:g} (without one, its largest tau) against dInfer's credit decoding and soft iteration,
+which reuse earlier evaluations without training (`tdlm/decoding/reuse.py`, dInfer's default weights), both at tau
+{BASELINE_TAU:g}, paired on the same problems with each baseline as the reference.
+
+{baseline_pairs(runs)}
 
 ## Diagnostic: does a still-masked position keep its earlier predictions?
 Positions that stay masked for three or more evaluations (content tokens only), first {plan.diagnostic_problems}

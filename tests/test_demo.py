@@ -175,7 +175,7 @@ def check_fast_demo_outputs(out: Path) -> None:
     assert summary["steps"] == 8 and summary["world_size"] == 2 and summary["zero_stage"] == 3
     assert (out / "train" / "adapter" / "adapter.safetensors").exists()
     ev = json.loads((out / "eval" / "summary.json").read_text())
-    assert {r["policy"] for r in ev["runs"]} == {"original", "threshold", "tdlm"}
+    assert {r["policy"] for r in ev["runs"]} == {"original", "threshold", "tdlm", "credit", "soft"}
     assert all(r["n"] == 12 for r in ev["runs"])
     # the shipped weights are bf16 on disk; every stage computes in fp32 (as training and the model card)
     assert json.loads((out / "trajectories" / "manifest.json").read_text())["settings"]["dtype"] == "float32"

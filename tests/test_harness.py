@@ -155,7 +155,8 @@ def test_python_m_tdlm_harness_cli(adapter, tmp_path):
     (["--model_args", "pretrained=tiny-arith", "--limit", "many"], r"--limit 'many': expected a positive number"),
     # issue 30: these passed the pre-check and failed inside lm-eval (policy) or only at decode time
     (["--model_args", "pretrained=tiny-arith,policy=treshold"],
-     r"policy=treshold: expected original \| threshold \| tdlm \| entropy; did you mean policy=threshold\?$"),
+     r"policy=treshold: expected original \| threshold \| tdlm \| entropy \| credit \| soft; did you mean "
+     r"policy=threshold\?$"),
     (["--model_args", "pretrained=tiny-arith,cache=dul"], r"cache=dul: expected none \| prefix \| dual; did you mean "
                                                           r"cache=dual\?$"),
     (["--model_args", "pretrained=tiny-arith,policy=tdlm"], r"policy=tdlm needs adapter="),

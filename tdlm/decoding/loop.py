@@ -11,7 +11,9 @@ receive their greedy token:
 * ``tdlm``      - the threshold rule on a :class:`tdlm.TDLM` with its temporal cache (every masked
   response position accumulates history, also outside the active block; revealing a position
   invalidates its history; changing blocks resets nothing);
-* ``entropy``   - d3LLM-style: every position whose predictive entropy < H, else the most confident.
+* ``entropy``   - d3LLM-style: every position whose predictive entropy < H, else the most confident;
+* ``credit`` / ``soft`` - dInfer's training-free reuse of earlier evaluations with the threshold rule: credit
+  added to the logits, or the previous predictions mixed into the masked inputs (:mod:`tdlm.decoding.reuse`).
 
 Confidence is the softmax probability of the greedy token, computed in float64. Batches are
 left-padded with an attention mask; every row commits its own positions and counts its own NFE, and
@@ -45,20 +47,21 @@ from pathlib import Path
 
 import torch
 
+from tdlm.decoding.reuse import REUSE_DEFAULTS, REUSE_POLICIES, check_reuse_fields, reuse_for, settings_of
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
 from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
 from tdlm.temporal.history import column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
 
-POLICIES = ("original", "threshold", "tdlm", "entropy")
+POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
 
 
 @dataclass
 class DecodeConfig:
     """Decoding settings (paper Section 3.1 defaults: 256 tokens, block 32, tau 0.9, H 0.5)."""
 
-    policy: str = "threshold"  # original | threshold | tdlm | entropy
+    policy: str = "threshold"  # original | threshold | tdlm | entropy | credit | soft
     gen_length: int = 256  # response tokens N
     block_size: int = 32
     threshold: float = 0.9  # tau of Eq. (6) for threshold / tdlm
@@ -68,6 +71,14 @@ class DecodeConfig:
     # torch.compile each step kind (fullgraph): False | True | "reduce-overhead" (+ CUDA graphs, CUDA only) |
     # "max-autotune" | "max-autotune-no-cudagraphs" | "eager" / "aot_eager" (dynamo's tracing-only backends)
     compile: bool | str = False
+    # dInfer's defaults (tdlm/decoding/reuse.py): credit adds alpha log(1 + C) to the logits, C a per-block decayed sum
+    credit_alpha: float = REUSE_DEFAULTS["credit_alpha"]  # credit: weight alpha (0: threshold decoding)
+    credit_decay: float = REUSE_DEFAULTS["credit_decay"]  # credit: decay beta of C per evaluation, in [0, 1]
+    credit_gamma: float = REUSE_DEFAULTS["credit_gamma"]  # credit: C gains (top-1 probability) ** gamma
+    soft_weight: float = REUSE_DEFAULTS["soft_weight"]  # soft: cap of the prediction embedding's weight (0: none)
+    soft_weight_init: float = REUSE_DEFAULTS["soft_weight_init"]  # soft: its weight after the first evaluation
+    soft_weight_growth: float = REUSE_DEFAULTS["soft_weight_growth"]  # soft: its growth per evaluation
+    soft_threshold_decay: float = REUSE_DEFAULTS["soft_threshold_decay"]  # soft: tau_i = max(1 - i decay, tau); 0 off
 
     def validate(self) -> DecodeConfig:
         if self.policy not in POLICIES:
@@ -86,6 +97,7 @@ class DecodeConfig:
             raise TDLMError(f"decode threshold (tau of Eq. 6) must be a confidence in [0, 1]; got {self.threshold!r}")
         if not (isinstance(self.entropy_threshold, (int, float)) and self.entropy_threshold > 0.0):
             raise TDLMError(f"decode entropy_threshold (H) must be > 0; got {self.entropy_threshold!r}")
+        check_reuse_fields(self)
         if self.gen_length < 1 or self.block_size < 1:
             raise TDLMError(f"gen_length and block_size must be >= 1; got {self.gen_length}, {self.block_size}")
         if self.gen_length % self.block_size:
@@ -98,11 +110,15 @@ class DecodeConfig:
         return self
 
     def to_dict(self) -> dict:
-        """The settings as a dict; ``cache`` only when one is used, so uncached settings read as before it existed
-        (run identities and trajectory ``decode_settings`` written earlier still match); never ``compile``."""
+        """The settings as a dict; ``cache`` only when one is used and the credit / soft fields only for their policy,
+        so other settings read as before those existed (run identities and trajectory ``decode_settings`` written
+        earlier still match); never ``compile``."""
         d = dataclasses.asdict(self)
         if d["cache"] == "none":
             del d["cache"]
+        for name in REUSE_DEFAULTS:
+            if name not in settings_of(self.policy):
+                del d[name]
         del d["compile"]  # how the same computation runs, not what it computes (tokens equal eager's)
         return d
 
@@ -126,10 +142,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _select(
-    conf: torch.Tensor, cand: torch.Tensor, rule: str, cfg: DecodeConfig, entropy: torch.Tensor | None
-) -> torch.Tensor:
-    """Positions to commit (b, bs) bool among candidates ``cand`` given float64 confidences."""
+def _select(conf: torch.Tensor, cand: torch.Tensor, rule: str, cfg: DecodeConfig, entropy: torch.Tensor | None,
+            tau: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Positions to commit (b, bs) bool among candidates ``cand`` given float64 confidences (``tau``: per-row
+    thresholds (b, 1) instead of ``cfg.threshold``)."""
     conf = conf.masked_fill(~cand, -1.0)
     top = torch.zeros_like(cand)
     top.scatter_(1, conf.argmax(1, keepdim=True), True)
@@ -139,7 +155,7 @@ def _select(
     if rule == "entropy":
         sel = cand & (entropy < cfg.entropy_threshold)
     else:
-        sel = cand & (conf > cfg.threshold)
+        sel = cand & (conf > (cfg.threshold if tau is None else tau))
     none = ~sel.any(1, keepdim=True)
     return torch.where(none, top, sel)
 
@@ -282,8 +298,8 @@ def check_compile(value, device: torch.device | str | None = None) -> tuple[str,
     return backend, mode
 
 
-def _backbone_eval(backbone: Backbone, x, attention_mask, positions, kv):
-    return backbone(x, attention_mask=attention_mask, select=positions, kv=kv)
+def _backbone_eval(backbone: Backbone, x, attention_mask, positions, kv, embeds=None):
+    return backbone(x, attention_mask=attention_mask, select=positions, kv=kv, inputs_embeds=embeds)
 
 
 def _evaluate_written_out(model: TDLM, prompt_len: int, cache, groups: list) -> list[torch.Tensor]:
@@ -435,6 +451,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     # past the last compaction); a bound of twice the window's own width, not tuned.
     front_most = 2 * column_bucket(bs + backbone.logit_shift, G)
     kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
+    reuse = reuse_for(cfg, backbone, B, G, device)  # credit / soft state (tdlm/decoding/reuse.py), else None
     # A single row under the dual cache compacts only when it changes block, and a row reveals only in its active
     # block, so its history's columns always hold the positions from its active block's start in order: the rows
     # of h that a temporal layer reads, a slice of h (TemporalCache.claim_rows / set_front(aligned=True)): no gather
@@ -470,6 +487,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         positions = P + idx  # (b, bs) canvas positions whose logits are read
         groups = _groups(kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
                          backbone.logit_shift)  # fmt: skip
+        evals = nfe[active] if reuse is not None else None  # each row's evaluations before this one
         if cache is not None:
             if cfg.cache == "dual":
                 front = window_front(blk_host, comp_blk, comp_in, bs, extra, G)
@@ -482,16 +500,18 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             outs = model.forward_groups(P, cache, [
                 StepGroup(_rows(x, r), _rows(a_mask, r), _rows(positions, r), step, r) for r, step in groups
             ], evaluate=evaluate)  # fmt: skip
+        elif reuse is not None and reuse.feeds_inputs:
+            outs = reuse.evaluate(backbone_step, backbone, x, a_mask, groups, P, start, bs, evals)
         else:
             outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
                     for r, step in groups]  # fmt: skip
         blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
         nfe[active] += 1
-        logp = torch.log_softmax(blk_logits.double(), dim=-1)
+        logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
         conf, x0 = logp.max(-1)
         conf = conf.exp()  # float64 probability of the greedy token
         entropy = -(logp.exp() * logp).sum(-1) if cfg.policy == "entropy" else None
-        commit = _select(conf, cand, cfg.policy, cfg, entropy)  # (b, bs)
+        commit = _select(conf, cand, cfg.policy, cfg, entropy, None if reuse is None else reuse.threshold(evals))
         new_resp = resp.clone()
         new_resp.scatter_(1, idx, torch.where(commit, x0, resp.gather(1, idx)))
         rows_reveal = reveal[active]
@@ -542,6 +562,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
                     cache.select(keep_t)
                 if kv_cache is not None:
                     kv_cache.select(keep_t)
+                if reuse is not None:
+                    reuse.select(keep_t)
         # A dual window step reads only the front, so dropping columns inside a block would save only the next
         # refresh's work, for a copy of the whole storage (about 3% of an evaluation at the medium bench shape on
         # this CPU, docs/decoding.md): under the dual cache the loop compacts once a row has changed block.

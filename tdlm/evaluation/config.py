@@ -2,7 +2,9 @@
 
 An evaluation is one backbone x a grid of *runs*: every (task, policy, tau / H, adapter, history)
 point. ``original`` has no knob; ``threshold`` sweeps ``thresholds`` (Fast-dLLM, Eq. 6); ``entropy``
-sweeps ``entropy_thresholds`` (the d3LLM rule); ``tdlm`` sweeps adapters x ``tdlm_thresholds`` x
+sweeps ``entropy_thresholds`` (the d3LLM rule); dInfer's training-free ``credit`` and ``soft`` sweep
+``credit_thresholds`` / ``soft_thresholds`` (default ``thresholds``) with one setting of their weights
+(:mod:`tdlm.decoding.reuse`); ``tdlm`` sweeps adapters x ``tdlm_thresholds`` x
 ``histories`` (Table 2 restricts the history of a fixed adapter at inference, Table 4 compares adapters
 trained with different layer allocations). Defaults are the paper's (Section 3.1): 256 tokens, block
 32, tau 0.9, H 0.5, batch size 1 for the latency measurement. ``caches`` adds the spatial KV cache as one
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
 from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
+from tdlm.decoding.reuse import REUSE_DEFAULTS
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.tasks import TASK_NAMES
@@ -36,7 +39,7 @@ from tdlm.temporal.adapter_files import adapter_fingerprint  # noqa: F401  (re-e
 from tdlm.temporal.history import HistoryPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
-RUN_ORDER = ("original", "threshold", "entropy", "tdlm")  # the paper's Table 1 row order
+RUN_ORDER = ("original", "threshold", "entropy", "credit", "soft", "tdlm")  # the paper's Table 1 order, + dInfer's
 
 
 @dataclass
@@ -51,6 +54,15 @@ class EvalConfig:
     thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.threshold])  # tau of threshold
     tdlm_thresholds: list[float] | None = None  # tau of tdlm; None = thresholds (Dream: TDLM 0.95)
     entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.entropy_threshold])  # H of entropy
+    credit_thresholds: list[float] | None = None  # tau of credit (dInfer's credit decoding); None = thresholds
+    soft_thresholds: list[float] | None = None  # tau of soft (dInfer's soft iteration); None = thresholds
+    credit_alpha: float = DecodeConfig.credit_alpha  # credit: weight alpha of log(1 + credit) added to the logits
+    credit_decay: float = DecodeConfig.credit_decay  # credit: decay beta of the credit per evaluation
+    credit_gamma: float = DecodeConfig.credit_gamma  # credit: the credit gains (top-1 probability) ** gamma
+    soft_weight: float = DecodeConfig.soft_weight  # soft: cap of the previous prediction's embedding weight
+    soft_weight_init: float = DecodeConfig.soft_weight_init  # soft: that weight after the first evaluation
+    soft_weight_growth: float = DecodeConfig.soft_weight_growth  # soft: its growth per evaluation
+    soft_threshold_decay: float = DecodeConfig.soft_threshold_decay  # soft: tau_i = max(1 - i * decay, tau); 0 off
     histories: list[str] | None = None  # tdlm history restriction; None = each adapter's trained one
     caches: list[str] = field(default_factory=lambda: ["none"])  # spatial KV caches: none | prefix | dual
     cache_policies: list[str] | None = None  # policies run with each of `caches`; None = all (others: none)
@@ -125,7 +137,7 @@ class EvalConfig:
             if p not in POLICIES:
                 raise TDLMError(f"cache_policies: policy {p!r} unknown; expected one of {', '.join(POLICIES)}")
         for name in ("tasks", "policies", "adapters", "thresholds", "tdlm_thresholds", "entropy_thresholds",
-                     "histories", "caches", "cache_policies"):  # fmt: skip
+                     "credit_thresholds", "soft_thresholds", "histories", "caches", "cache_policies"):  # fmt: skip
             vals = getattr(self, name)
             if vals is not None and len(set(map(str, vals))) != len(vals):
                 raise TDLMError(f"{name}: duplicate values in {vals}")
@@ -133,9 +145,12 @@ class EvalConfig:
             raise TDLMError("policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)")
         if self.adapters and "tdlm" not in pols:
             raise TDLMError(f"--adapter is only used by policy 'tdlm'; policies are {pols}")
-        for tau in list(self.thresholds) + list(self.tdlm_thresholds or []):
-            if not 0.0 <= tau <= 1.0:
-                raise TDLMError(f"threshold tau={tau} must be in [0, 1]")
+        for name in ("thresholds", "tdlm_thresholds", "credit_thresholds", "soft_thresholds"):
+            for tau in getattr(self, name) or []:
+                if not 0.0 <= tau <= 1.0:
+                    raise TDLMError(f"{name}: threshold tau={tau} must be in [0, 1]")
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise TDLMError(f"{name}: expected at least one tau in [0, 1] (or unset)")
         for h in self.entropy_thresholds:
             if h < 0:
                 raise TDLMError(f"entropy threshold H={h} must be >= 0")
@@ -144,7 +159,7 @@ class EvalConfig:
         if self.histories is not None and not self.histories:
             raise TDLMError("histories: expected at least one (full, last:k, current) or None")
         cached = [c for c in self.caches if c != "none"]
-        DecodeConfig(gen_length=self.gen_length, block_size=self.block_size, cache=(cached or ["none"])[0]).validate()
+        DecodeConfig(cache=(cached or ["none"])[0], **self.decode_settings()).validate()  # the weights' ranges too
         if self.dtype is not None and self.dtype not in DTYPES:
             raise TDLMError(f"dtype {self.dtype!r} unknown; expected one of {', '.join(DTYPES)}")
         for name in ("batch_size", "score_workers", "max_shard_attempts", "code_cpu_s"):
@@ -184,9 +199,10 @@ class EvalConfig:
         return ["none"]
 
     def decode_settings(self) -> dict:
-        """The decode fields shared by every run (policy and thresholds are per run)."""
+        """The decode fields shared by every run (policy and thresholds are per run; a run's identity keeps the
+        credit / soft weights only for its own policy, DecodeConfig.to_dict)."""
         return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos,
-                "compile": self.compile}  # fmt: skip
+                "compile": self.compile, **{k: getattr(self, k) for k in REUSE_DEFAULTS}}  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -198,7 +214,7 @@ class RunSpec:
 
     task: str
     policy: str
-    threshold: float | None = None  # tau (threshold, tdlm)
+    threshold: float | None = None  # tau (threshold, credit, soft, tdlm)
     entropy_threshold: float | None = None  # H (entropy)
     adapter_label: str | None = None
     adapter: str | None = None  # folder
@@ -211,8 +227,8 @@ class RunSpec:
         suffix = "" if self.cache == "none" else f"-{self.cache}"
         if self.policy == "original":
             return "original" + suffix
-        if self.policy == "threshold":
-            return f"threshold-tau{self.threshold:g}{suffix}"
+        if self.policy in ("threshold", "credit", "soft"):
+            return f"{self.policy}-tau{self.threshold:g}{suffix}"
         if self.policy == "entropy":
             return f"entropy-H{self.entropy_threshold:g}{suffix}"
         hist = (self.history or "").replace(":", "")
@@ -253,7 +269,7 @@ def read_adapter_config(directory: str) -> dict:
 
 
 def expand(cfg: EvalConfig) -> list[RunSpec]:
-    """The grid of runs in a stable order: task, then original / threshold / entropy / tdlm, then knobs."""
+    """The grid of runs in a stable order: task, then the policies in RUN_ORDER, then knobs."""
     runs: list[RunSpec] = []
     pols = cfg.resolved_policies()
     adapters = cfg.adapter_dirs()
@@ -265,6 +281,9 @@ def expand(cfg: EvalConfig) -> list[RunSpec]:
                 runs += [RunSpec(task, policy, cache=c) for c in caches]
             elif policy == "threshold":
                 runs += [RunSpec(task, policy, threshold=t, cache=c) for t in cfg.thresholds for c in caches]
+            elif policy in ("credit", "soft"):
+                taus = getattr(cfg, f"{policy}_thresholds") or cfg.thresholds
+                runs += [RunSpec(task, policy, threshold=t, cache=c) for t in taus for c in caches]
             elif policy == "entropy":
                 runs += [RunSpec(task, policy, entropy_threshold=h, cache=c) for h in cfg.entropy_thresholds
                          for c in caches]  # fmt: skip
@@ -302,6 +321,7 @@ FLAGS: dict[str, Flag] = {
     "histories": Flag(name="--history", group=GRID), "caches": Flag(name="--cache", choices=CACHE_MODES, group=GRID),
     "cache_policies": Flag(choices=POLICIES, group=GRID), "gen_length": Flag(group=GRID),
     "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID),
+    **{k: Flag(group=GRID) for k in ("credit_thresholds", "soft_thresholds", *REUSE_DEFAULTS)},
     **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
                                     "max_task_retries", "max_shard_attempts", "head_timeout_s")},
     **{k: Flag(group=SCORING) for k in ("score_workers", "code_timeout_s", "code_cpu_s", "allow_weak_sandbox")},

@@ -196,7 +196,8 @@ def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[lis
         done = done_ids(plan.run_dir)
         todo = [p for p in plan.task.problems if p.id not in done]
         skipped += len(plan.task.problems) - len(todo)
-        decode_cfg = plan.spec.decode_config(cfg).to_dict()
+        # to_dict leaves compile out of the run's identity (eager and compiled tokens are equal); the worker needs it
+        decode_cfg = {**plan.spec.decode_config(cfg).to_dict(), "compile": cfg.compile}
         rounds: list[list[ShardJob]] = []
         for w in range(num_shards):
             probs = [(p.id, p.index, p.prompt) for p in todo if shard_of(p.index, num_shards) == w]

@@ -1,10 +1,11 @@
 """Quality-latency Pareto plots (the paper's Figure 1) from run summaries.
 
 One PNG per (backbone, task): accuracy against mean seconds per sample (left) and mean NFE (right); one line per
-method family (original; Fast-dLLM; entropy; TDLM per adapter and history; each spatial KV cache its own family,
-labelled with it) through its threshold sweep, and the empirical Pareto frontier over all points (higher accuracy at
-lower cost) drawn as a dashed step line with ringed markers. The baselines are drawn in grey with square markers and
-dotted lines, so that TDLM's lines (one per adapter: a sweep's allocations) stand out against them.
+method family (original; Fast-dLLM; entropy; dInfer credit; dInfer soft iteration; TDLM per adapter and history;
+each spatial KV cache its own family, labelled with it) through its threshold sweep, and the empirical Pareto
+frontier over all points (higher accuracy at lower cost) drawn as a dashed step line with ringed markers. The
+baselines are drawn with square markers and dotted lines (grey; dInfer's two in brown and olive), so that TDLM's
+lines (one per adapter: a sweep's allocations) stand out against them.
 
 Both cost axes are logarithmic: the sequential ``original`` decoder costs N evaluations while parallel ones need
 a few, and on a linear axis every parallel decoder sat in the left 15%. Each point has a vertical error bar of
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tdlm.evaluation.report import TASK_TITLES, cache_suffix, sort_key
+from tdlm.evaluation.report import REUSE_LABELS, TASK_TITLES, cache_suffix, sort_key
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -56,6 +57,8 @@ def family(run: dict) -> str:
         name = "Fast-dLLM"
     elif p == "entropy":
         name = "Entropy"
+    elif p in REUSE_LABELS:
+        name = REUSE_LABELS[p]
     else:
         name = f"TDLM [{run.get('adapter_label')}, {run.get('history')}]"
     return name + cache_suffix(run)
@@ -113,7 +116,8 @@ def place_labels(ax: Any, items: Sequence[tuple[str, float, float, str]], render
     return placed
 
 
-BASELINE_COLORS = {"original": "0.15", "threshold": "0.45", "entropy": "0.65"}
+BASELINE_COLORS = {"original": "0.15", "threshold": "0.45", "entropy": "0.65", "credit": "tab:brown",
+                   "soft": "tab:olive"}  # fmt: skip
 
 
 def seconds_label(runs: Sequence[dict]) -> str:

@@ -25,6 +25,7 @@ from tdlm.evaluation.config import RUN_ORDER as POLICY_ORDER  # the paper's row 
 from tdlm.evaluation.paired import CONFIDENCE, DEFAULT_REFERENCE, RESAMPLES, SEED, paired_against
 from tdlm.tasks import TASK_NAMES
 
+REUSE_LABELS = {"credit": "dInfer credit", "soft": "dInfer soft iteration"}  # tdlm/decoding/reuse.py
 TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH-500", "mbpp": "MBPP", "arith": "Arith"}
 
 
@@ -50,6 +51,8 @@ def method_label(run: dict) -> str:
         label = f"Fast-dLLM τ={run['threshold']:g}"
     elif p == "entropy":
         label = f"Entropy H={run['entropy_threshold']:g}"
+    elif p in REUSE_LABELS:
+        label = f"{REUSE_LABELS[p]} τ={run['threshold']:g}"
     else:
         label = f"TDLM τ={run['threshold']:g} [{run.get('adapter_label')}, {run.get('history')}]"
     return label + cache_suffix(run)

@@ -55,8 +55,9 @@ NFE_BY_DOC: dict[tuple[str, str], int] = {}
 class HarnessConfig:
     pretrained: str  # the backbone: preset / shipped name, checkpoint folder, or a Hub id in the local HF cache
     adapter: str | None = None  # adapter folder or Hub repo id (policy tdlm)
-    policy: str | None = None  # original | threshold | entropy | tdlm; None = tdlm with an adapter, else threshold
-    threshold: float = 0.9  # tau of threshold / tdlm
+    policy: str | None = None  # original | threshold | entropy | credit | soft | tdlm; None = tdlm with an adapter,
+    # else threshold (credit / soft: dInfer's training-free reuse of earlier evaluations, tdlm/decoding/reuse.py)
+    threshold: float = 0.9  # tau of threshold / credit / soft / tdlm
     entropy_threshold: float = 0.5
     gen_length: int = 256
     block_size: int = 32
@@ -68,6 +69,14 @@ class HarnessConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     allow_other_backbone: bool = False
     revision: str | None = None  # Hub revision of the adapter
+    # credit / soft weights (tdlm.DecodeConfig's fields of the same names); None = dInfer's default there
+    credit_alpha: float | None = None  # credit: weight of log(1 + credit) added to the logits (0.7)
+    credit_decay: float | None = None  # credit: decay of the credit per evaluation (0.8)
+    credit_gamma: float | None = None  # credit: the credit gains (top-1 probability) ** gamma (0.2)
+    soft_weight: float | None = None  # soft: cap of the previous prediction's embedding weight (0.3)
+    soft_weight_init: float | None = None  # soft: that weight after the first evaluation (0.15)
+    soft_weight_growth: float | None = None  # soft: its growth per evaluation (0.02)
+    soft_threshold_decay: float | None = None  # soft: threshold tau_i = max(1 - i decay, tau), 0 = off (0.02)
 
     def check(self) -> HarnessConfig:
         """Range checks, one line each, before anything is loaded."""
@@ -115,10 +124,13 @@ class HarnessConfig:
 
         return DecodeConfig(policy=self.resolved_policy(), gen_length=self.gen_length, block_size=self.block_size,
                             threshold=self.threshold, entropy_threshold=self.entropy_threshold,
-                            stop_at_eos=self.stop_at_eos, cache=self.cache, compile=self.compile)
+                            stop_at_eos=self.stop_at_eos, cache=self.cache, compile=self.compile,
+                            **{k: getattr(self, k) for k in REUSE_FIELDS if getattr(self, k) is not None})
 
 
 _ALIASES = {"backbone": "pretrained"}
+REUSE_FIELDS = ("credit_alpha", "credit_decay", "credit_gamma", "soft_weight", "soft_weight_init",
+                "soft_weight_growth", "soft_threshold_decay")  # fmt: skip
 
 
 def parse_model_args(args: dict) -> HarnessConfig:

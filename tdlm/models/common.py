@@ -153,6 +153,10 @@ class Backbone(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def embedding_weight(self) -> torch.Tensor:
+        """The input embedding matrix (V, d) that :meth:`embed` looks up (decoding's soft iteration mixes its rows)."""
+        raise NotImplementedError
+
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head of hidden states (..., d) -> (..., V), no alignment applied."""
         raise NotImplementedError
@@ -196,7 +200,8 @@ class Backbone(nn.Module):
             raise TDLMError(f"{what} must hold integer token ids; got dtype {input_ids.dtype}")
 
     def prepare(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, kv: KVStep | None = None
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, kv: KVStep | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ForwardContext]:
         """Embeddings (B, L, d) and the per-forward context.
 
@@ -204,6 +209,8 @@ class Backbone(nn.Module):
         a left-padded row sees exactly the positions it would see unpadded. With a window step ``kv``
         the embeddings are those of the window's positions only, (B, W, d), rotated at their canvas
         positions; the key-padding mask still spans the whole canvas (the cached keys).
+        ``inputs_embeds`` (B, L, d), when given, replaces ``embed(input_ids)`` (a window step gathers its
+        positions from it); ``input_ids`` still give the shape.
         """
         B, L = input_ids.shape
         if kv is not None and not self.supports_kv_cache:
@@ -224,13 +231,19 @@ class Backbone(nn.Module):
             # padding pass None.
             mask = am[:, None, None, :]
         first = None if mask is None else am.long().argmax(-1)
+        if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
+            raise TDLMError(f"inputs_embeds must have shape (batch, length, d) with (batch, length) = "
+                            f"{tuple(input_ids.shape)}; got {tuple(inputs_embeds.shape)}")  # fmt: skip
         if kv is not None and not kv.refresh:
             where = kv.positions()  # (B, W)
-            x = self.embed(input_ids.gather(1, where))
+            if inputs_embeds is None:
+                x = self.embed(input_ids.gather(1, where))
+            else:
+                x = inputs_embeds.gather(1, where[..., None].expand(-1, -1, inputs_embeds.shape[-1]))
             cos, sin = rope_cos_sin(pos.gather(1, where), self.head_dim, self.rope_theta, self.rope_dtype(x.dtype))
             return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first, kv=kv,
                                      window_start=kv.start, canvas_len=L)  # fmt: skip
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(pos, self.head_dim, self.rope_theta, self.rope_dtype(x.dtype))
         return x, ForwardContext(cos=cos, sin=sin, attn_mask=mask, first_token=first, kv=kv)
 
@@ -300,13 +313,18 @@ class Backbone(nn.Module):
         insert: InsertFn | None = None,
         select: torch.Tensor | None = None,
         kv: KVStep | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, L, V), aligned so that entry p predicts the token at p; (S, V) with ``select``.
 
         ``kv`` uses the spatial KV cache (a refresh, or a window step, which needs ``select``).
+        ``inputs_embeds`` (B, L, d) replaces the embeddings of ``input_ids`` (:meth:`prepare`).
         """
         self.check_input_ids(input_ids)
-        x, ctx = self.prepare(input_ids, attention_mask, kv)
+        if inputs_embeds is None:
+            x, ctx = self.prepare(input_ids, attention_mask, kv)
+        else:
+            x, ctx = self.prepare(input_ids, attention_mask, kv, inputs_embeds)
         for i in range(self.num_layers):
             x = self.layer(i, x, ctx, insert)
         return self.head(x, ctx, select)

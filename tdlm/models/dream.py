@@ -161,6 +161,9 @@ class Dream(Backbone):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
     def project(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(h))  # (..., V); from position p it predicts p + 1
 

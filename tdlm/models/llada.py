@@ -147,6 +147,9 @@ class LLaDA(Backbone):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.transformer.wte(input_ids)
 
+    def embedding_weight(self) -> torch.Tensor:
+        return self.model.transformer.wte.weight
+
     def project(self, h: torch.Tensor) -> torch.Tensor:
         t = self.model.transformer
         return t.ff_out(t.ln_f(h))  # (..., V)
