@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
@@ -49,6 +48,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tdlm.data.toy_trajectories import BACKBONE, DTYPE, GEN_LENGTH, ensure_toy_trajectories  # noqa: F401
+from tdlm.demo_findings import (  # noqa: F401  (the report's findings; their names stay importable from here)
+    ACCURACY_SLACK,
+    BASELINE_TAU,
+    NFE_TARGET,
+    REUSE_BASELINES,
+    SECONDS_TARGET,
+    SEED_VARIANCE,
+    TDLM_PAIRED_TAU,
+    _card_accuracy,
+    _reproduction,
+    baseline_pairs,
+    evidence,
+    frontier_table,
+    judge,
+    seed_spread,
+    standard_error,
+)
 from tdlm.errors import TDLMError
 from tdlm.tasks.toydata import MULTI_GEN_LENGTH, MULTI_TEST_SIZE
 
@@ -62,11 +78,6 @@ DEMO_TRAIN_CONFIG = "configs/tiny_multi.yaml"
 # step graphs in each evaluation worker costs more wall time than it saves over 110 batches; the fast mode (the test
 # suite) always stays eager.
 DEMO_COMPILE = os.environ.get("DEMO_COMPILE") == "1"
-BASELINE_TAU = 0.9  # the issue's reference point: threshold at tau 0.9
-REUSE_BASELINES = ("credit", "soft")  # dInfer's training-free baselines, decoded at BASELINE_TAU
-TDLM_PAIRED_TAU = 0.95  # the TDLM setting paired with each of them
-NFE_TARGET, SECONDS_TARGET, ACCURACY_SLACK = 0.8, 0.85, 0.01  # <= 0.8x NFE, <= 0.85x seconds, within 1 point
-SEED_VARIANCE = REPO / "bench" / "results" / "seed_variance.json"
 
 
 @dataclass(frozen=True)
@@ -119,141 +130,6 @@ def write_prompts(path: Path, n: int, task: str = "arith") -> None:
     with path.open("w") as fh:
         for p in problems:
             fh.write(json.dumps({"id": p.id, "question": p.question}) + "\n")
-
-
-def seed_spread(path: Path = SEED_VARIANCE) -> dict[float, dict]:
-    """Training-seed spread of TDLM's accuracy per tau (``bench/seed_variance.py``), {} when not measured."""
-    try:
-        spread = json.loads(path.read_text())["spread"]
-        return {float(t): {"sd": v["accuracy_sd_over_seeds"], "range": v["accuracy_range"], "seeds": v.get("n")}
-                for t, v in spread.items()}  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def judge(runs: list[dict], seeds: dict[float, dict] | None = None) -> tuple[str, dict]:
-    """Does TDLM reach the threshold baseline's accuracy (+-1 pt) with <= 0.8x its NFE and <= 0.85x its seconds at
-    some tau? Also says whether the NFE half alone holds, and the training-seed spread at the best setting."""
-    base = next((r for r in runs if r["policy"] == "threshold" and r["threshold"] == 0.9), None)
-    tdlm = [r for r in runs if r["policy"] == "tdlm"]
-    if base is None or not tdlm:
-        return "no comparison possible (missing threshold tau=0.9 or tdlm runs)", {}
-    seeds = seed_spread() if seeds is None else seeds
-
-    def sec(r: dict) -> float | None:
-        return r.get("seconds_mean")
-
-    def sec_ratio(r: dict) -> float | None:
-        return sec(r) / sec(base) if sec(r) is not None and sec(base) else None
-
-    accurate = [r for r in tdlm if r["accuracy"] >= base["accuracy"] - ACCURACY_SLACK]
-    nfe_hits = [r for r in accurate if r["nfe_mean"] <= NFE_TARGET * base["nfe_mean"]]
-    hits = [r for r in nfe_hits if sec_ratio(r) is not None and sec_ratio(r) <= SECONDS_TARGET]
-    under = [r for r in tdlm if r["nfe_mean"] <= NFE_TARGET * base["nfe_mean"]]
-    best = max(under or tdlm, key=lambda r: (r["accuracy"], -r["nfe_mean"]))
-    facts = {"baseline": {"tau": 0.9, "accuracy": base["accuracy"], "nfe": base["nfe_mean"], "seconds": sec(base),
-                          "seconds_se": base.get("seconds_se")},
-             "tdlm": [{"tau": r["threshold"], "accuracy": r["accuracy"], "nfe": r["nfe_mean"], "seconds": sec(r),
-                       "seconds_se": r.get("seconds_se"), "seconds_ratio": sec_ratio(r)} for r in tdlm],
-             "target_met": bool(hits), "nfe_target_met": bool(nfe_hits),
-             "targets": {"nfe_ratio_max": NFE_TARGET, "seconds_ratio_max": SECONDS_TARGET,
-                         "accuracy_slack": ACCURACY_SLACK}}  # fmt: skip
-
-    def describe(r: dict) -> str:
-        q = sec_ratio(r)
-        secs = "" if q is None else f", {sec(r):.3f} s per sample ({q:.2f}x its seconds)"
-        return (f"tau={r['threshold']:g}: {100 * r['accuracy']:.1f}% with {r['nfe_mean']:.2f} NFE "
-                f"({r['nfe_mean'] / base['nfe_mean']:.2f}x its NFE){secs}")
-
-    ref = (f"the threshold baseline (tau=0.9) at {100 * base['accuracy']:.1f}% with {base['nfe_mean']:.2f} NFE"
-           + ("" if sec(base) is None else f" and {sec(base):.3f} s per sample"))
-    if hits:
-        h = min(hits, key=lambda r: sec(r))
-        text = f"Target met: TDLM at {describe(h)}, against {ref}."
-    else:
-        why = ("no TDLM setting reached its accuracy within 1 point at <= 0.8x its NFE" if not nfe_hits else
-               "the NFE half holds (" + "; ".join(describe(r) for r in nfe_hits) + ") but not <= 0.85x its seconds")
-        text = f"Target NOT met against {ref}: {why}. Best TDLM at <= 0.8x NFE: {describe(best)}."
-    spread = seeds.get(float(best["threshold"]))
-    if spread:
-        lo, hi = spread["range"]
-        text += (f" Training-seed spread at tau {best['threshold']:g} (bench/results/seed_variance.json, 3 seeds, "
-                 f"200 problems): sd {100 * spread['sd']:.1f} points, range {100 * lo:.1f}-{100 * hi:.1f}%.")
-        facts["seed_spread_at_best"] = {"tau": best["threshold"], **spread}
-    return text, facts
-
-
-def _card_accuracy(card: dict) -> str:
-    """The backbone card's `original` accuracies: held-out test numbers where recorded, else validation ones."""
-    for key, size, split in (("test_accuracy_original", "test_size", "held-out test"),
-                             ("validation_accuracy_original", "validation_size", "validation")):
-        accs = card.get(key) or {}
-        if accs:
-            parts = [f"{100 * a:.1f}% with {k.replace('block', 'block ')}" for k, a in accs.items()]
-            return ", ".join(parts) + f" ({card.get(size, '?')} {split} problems)"
-    return "not recorded"
-
-
-def _reproduction(runs: list[dict], card: dict, plan: DemoPlan) -> str:
-    """The shipped backbone's model-card accuracy, re-measured by the evaluator when it saw the whole split."""
-    orig = next((r for r in runs if r["policy"] == "original"), None)
-    want = (card.get("test_accuracy_original") or {}).get(f"block{plan.block_size}")
-    if orig is None or want is None or orig["n"] != card.get("test_size"):
-        return ""
-    same = abs(orig["accuracy"] - want) < 1e-9
-    return (f"\nReproduction: `original` decoding of all {orig['n']} held-out problems gives "
-            f"{100 * orig['accuracy']:.1f}%; the model card states {100 * want:.1f}% "
-            f"({'identical' if same else 'DIFFERENT'}).\n")
-
-
-def standard_error(accuracy: float, n: int) -> float:
-    """Binomial standard error of an accuracy measured on ``n`` problems."""
-    return math.sqrt(accuracy * (1.0 - accuracy) / n) if n else float("nan")
-
-
-def frontier_table(runs: list[dict]) -> str:
-    """Markdown: every run as (method, tau, accuracy +- SE, mean NFE, x threshold-0.9 NFE, seconds per sample +- se,
-    x threshold-0.9 seconds), by method then tau."""
-    base = next((r for r in runs if r["policy"] == "threshold" and r["threshold"] == BASELINE_TAU), None)
-    order = {"original": 0, "threshold": 1, "credit": 2, "soft": 3, "tdlm": 4}
-    rows = sorted(runs, key=lambda r: (order.get(r["policy"], 9), -(r.get("threshold") or 1.0)))
-    lines = ["| method | tau | accuracy | NFE (mean) | NFE / threshold-0.9 NFE | seconds / sample (± se) | "
-             "seconds / threshold-0.9 seconds |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        tau = "-" if r["policy"] == "original" else f"{r['threshold']:g}"
-        ratio = f"{r['nfe_mean'] / base['nfe_mean']:.2f}x" if base else "-"
-        secs, sratio = "-", "-"
-        if r.get("seconds_mean") is not None:
-            secs = f"{r['seconds_mean']:.3f}" + (f" ± {r['seconds_se']:.3f}" if r.get("seconds_se") is not None else "")
-            if base and base.get("seconds_mean"):
-                sratio = f"{r['seconds_mean'] / base['seconds_mean']:.2f}x"
-        lines.append(f"| {r['policy']} | {tau} | {100 * r['accuracy']:.1f} ± "
-                     f"{100 * standard_error(r['accuracy'], r['n']):.1f}% | {r['nfe_mean']:.2f} | {ratio} | "
-                     f"{secs} | {sratio} |")
-    return "\n".join(lines)
-
-
-def baseline_pairs(runs: list[dict], tau: float = TDLM_PAIRED_TAU) -> str:
-    """Markdown: TDLM at ``tau`` (fast mode, without one: its largest tau) against each training-free baseline
-    (credit, soft at BASELINE_TAU), paired on the same problems (:func:`tdlm.evaluation.paired.paired_against`, with
-    each baseline as the reference)."""
-    from tdlm.evaluation.paired import paired_against, run_name
-    from tdlm.evaluation.report import method_label, paired_cells
-
-    tdlms = sorted((r for r in runs if r["policy"] == "tdlm"), key=lambda r: (r.get("threshold") == tau,
-                                                                             r.get("threshold") or 0.0))  # fmt: skip
-    tdlm = tdlms[-1] if tdlms else None
-    bases = [r for r in runs if r["policy"] in REUSE_BASELINES and r.get("threshold") == BASELINE_TAU]
-    if tdlm is None or not bases:
-        return f"No TDLM tau {tau:g} run or no training-free baseline at tau {BASELINE_TAU:g}: nothing to pair."
-    lines = ["| run | reference | n | Δacc (pp) [95% CI] | McNemar p (b/c) | NFE ratio [95% CI] | s ratio [95% CI] |",
-             "|---|---|---|---|---|---|---|"]
-    for b in bases:
-        p = paired_against([tdlm, b], run_name(b))[0]
-        cells = [p["skipped"], "–", "–", "–"] if "skipped" in p else paired_cells(p)
-        lines.append(f"| {method_label(tdlm)} | {method_label(b)} | {p.get('n', '–')} | {' | '.join(cells)} |")
-    return ("Δacc = TDLM − baseline accuracy; ratios = baseline mean ÷ TDLM mean (> 1: TDLM needs fewer NFE / "
-            "seconds); intervals and test as in the table above.\n\n" + "\n".join(lines))
 
 
 def run_diagnostic(adapter: Path, plan: DemoPlan, min_masked: int = 3) -> list[dict]:
@@ -523,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         r["accuracy_se"] = standard_error(r["accuracy"], r["n"])
     verdict, facts = judge(runs)
+    said, facts["evidence"] = evidence(runs)
+    verdict = f"{verdict}\n\n{said}" if said else verdict
     plots = [ev / p for p in summary.get("plots", [])]
     card = json.loads((backbone_dir / "training.json").read_text()) if (backbone_dir / "training.json").exists() else {}
     train_summary = json.loads((train_dir / "summary.json").read_text())

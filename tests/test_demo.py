@@ -84,6 +84,30 @@ def test_judge_states_the_target_honestly():
     assert not facts["target_met"] and not facts["nfe_target_met"] and "no TDLM setting" in text
 
 
+def test_evidence_names_each_half_of_the_target_by_its_paired_interval():
+    """A half is supported only when its whole 95% interval is on the target's side (Δacc above -1 point; NFE and
+    seconds ratios, reference / run, above 1/0.8 and 1/0.85), refuted when the whole interval is on the other side,
+    undecided otherwise; without paired numbers nothing is said."""
+    from tdlm.demo import evidence
+
+    def run(diff_ci, nfe_ci, sec_ci):
+        paired = {"n": 500, "accuracy_diff": sum(diff_ci) / 2, "accuracy_diff_ci": diff_ci,
+                  "nfe_ratio": sum(nfe_ci) / 2, "nfe_ratio_ci": nfe_ci, "seconds_ratio": sum(sec_ci) / 2,
+                  "seconds_ratio_ci": sec_ci}  # fmt: skip
+        return {"policy": "tdlm", "threshold": 0.95, "paired": paired}
+
+    text, facts = evidence([run([-0.042, 0.046], [1.37, 1.40], [1.09, 1.14])])
+    assert facts["halves"] == {"accuracy": "undecided", "nfe": "supported", "seconds": "refuted"}, facts
+    assert "+0.2 points [-4.2, +4.6]" in text and "1.39x fewer NFE [1.37, 1.40]" in text
+    # the edges: an interval touching the bound from the target's side supports it
+    _, facts = evidence([run([-0.01, 0.03], [1.25, 1.30], [1.0 / 0.85, 1.3])])
+    assert facts["halves"] == {"accuracy": "supported", "nfe": "supported", "seconds": "supported"}, facts
+    _, facts = evidence([run([-0.05, -0.0101], [1.0, 1.2499], [0.9, 1.17])])
+    assert facts["halves"] == {"accuracy": "refuted", "nfe": "refuted", "seconds": "refuted"}, facts
+    assert evidence([{"policy": "tdlm", "threshold": 0.95}]) == ("", {})
+    assert evidence([{**run([0.0, 0.0], [1.3, 1.3], [1.2, 1.2]), "threshold": 0.9}]) == ("", {})  # no tau 0.95
+
+
 def test_report_rechecks_the_model_card():
     card = {"test_accuracy_original": {"block40": 0.798, "block8": 0.764}, "test_size": 500}
     assert _card_accuracy(card) == "79.8% with block 40, 76.4% with block 8 (500 held-out test problems)"
