@@ -14,7 +14,6 @@ import tdlm
 import tdlm.data.tokenizer  # tdlm is a lazy facade: its submodules are attributes once imported
 from tdlm.data.trajectories import read_parquet
 from tdlm.demo import (
-    DemoPlan,
     _card_accuracy,
     _reproduction,
     diagnostic_table,
@@ -115,13 +114,11 @@ def test_report_rechecks_the_model_card():
     multi = json.loads((REPO / "tdlm" / "assets" / "tiny-multi" / "training.json").read_text())
     text = _card_accuracy(multi)
     assert text.startswith("66.3% with block 56") and "300 validation problems" in text
-    plan = DemoPlan(Path("x"), prompts=8, train_steps=1, test_problems=500, thresholds=(0.9,), tdlm_thresholds=(0.9,),
-                    diagnostic_problems=1, block_size=40)
-    same = _reproduction([{"policy": "original", "n": 500, "accuracy": 0.798}], card, plan)
+    same = _reproduction([{"policy": "original", "n": 500, "accuracy": 0.798}], card, 40)
     assert "79.8%" in same and "(identical)" in same
-    assert "(DIFFERENT)" in _reproduction([{"policy": "original", "n": 500, "accuracy": 0.79}], card, plan)
+    assert "(DIFFERENT)" in _reproduction([{"policy": "original", "n": 500, "accuracy": 0.79}], card, 40)
     # a subset of the split cannot reproduce the card's number: say nothing rather than compare
-    assert _reproduction([{"policy": "original", "n": 12, "accuracy": 0.798}], card, plan) == ""
+    assert _reproduction([{"policy": "original", "n": 12, "accuracy": 0.798}], card, 40) == ""
 
 
 def test_frontier_table_gives_standard_errors_and_nfe_ratios():

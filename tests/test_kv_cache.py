@@ -341,20 +341,22 @@ def test_cached_runs_are_rows_labelled_with_their_cache(tmp_path):
     cfg = dataclasses.replace(cfg, backbone="tiny-llada", adapters=[adapter], tasks=["gsm8k"]).validate()
     runs = expand(cfg)
     assert [r.name for r in runs] == ["original", "threshold-tau0.9", "threshold-tau0.9-dual", "entropy-H0.5",
+                                      "credit-tau0.9", "soft-tau0.9",
                                       "tdlm-a-tau0.9-full", "tdlm-a-tau0.9-full-dual"]  # fmt: skip
-    assert [r.decode_config(cfg).cache for r in runs] == ["none", "none", "dual", "none", "none", "dual"]
+    assert [r.decode_config(cfg).cache for r in runs] == ["none", "none", "dual", "none", "none", "none", "none",
+                                                          "dual"]  # fmt: skip
     assert "cache" not in runs[1].decode_config(cfg).to_dict()  # uncached identities read as before the field
     rows = [dict(r.to_dict(), accuracy=0.5, nfe_mean=float(10 + i), seconds_mean=1.0 / (i + 1), n=1,
                  backbone="b", gen_length=256, block_size=32) for i, r in enumerate(runs)]  # fmt: skip
     compute_speedups(rows)
     labels = [method_label(r) for r in rows]
-    assert labels[2] == "Fast-dLLM τ=0.9 + dual cache" and labels[5] == "TDLM τ=0.9 [a, full] + dual cache"
-    assert rows[5]["nfe_ratio_vs_threshold"] == pytest.approx(12 / 15)  # vs Fast-dLLM with the same cache
-    assert rows[4]["nfe_ratio_vs_threshold"] == pytest.approx(11 / 14)  # vs the uncached threshold
+    assert labels[2] == "Fast-dLLM τ=0.9 + dual cache" and labels[7] == "TDLM τ=0.9 [a, full] + dual cache"
+    assert rows[7]["nfe_ratio_vs_threshold"] == pytest.approx(12 / 17)  # vs Fast-dLLM with the same cache
+    assert rows[6]["nfe_ratio_vs_threshold"] == pytest.approx(11 / 16)  # vs the uncached threshold
     assert rows[2]["nfe_ratio_vs_original"] == pytest.approx(10 / 12)  # original is always the uncached one
     table = render(rows).split("## All runs")[0]
     assert all(f"| {label} |" in table for label in labels)
-    assert len({family(r) for r in rows}) == 6  # one Pareto line per method and cache
+    assert len({family(r) for r in rows}) == 8  # one Pareto line per method and cache
 
 
 # -- 5. last:k is per position in every cache mode (issue 21, item 6) ---------------------------------------------

@@ -138,9 +138,9 @@ def test_imports_only_go_down_the_layers():
     assert violations(import_graph()) == []
 
 
-def test_top_level_holds_folders_and_at_most_four_modules():
+def test_top_level_holds_folders_and_at_most_three_modules():
     modules = sorted(p.name for p in ROOT.glob("*.py"))
-    assert modules == ["__init__.py", "config.py", "demo.py", "errors.py"]
+    assert modules == ["__init__.py", "config.py", "errors.py"]
     for d in ROOT.iterdir():
         if d.is_dir() and d.name != "__pycache__" and any(d.rglob("*.py")):
             assert layer_of(f"tdlm.{d.name}") is not None, f"tdlm/{d.name}/ is in no layer"

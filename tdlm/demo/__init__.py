@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tdlm.data.toy_trajectories import BACKBONE, DTYPE, GEN_LENGTH, ensure_toy_trajectories  # noqa: F401
-from tdlm.demo_findings import (  # noqa: F401  (the report's findings; their names stay importable from here)
+from tdlm.demo.findings import (  # noqa: F401  (the report's findings; their names stay importable from here)
     ACCURACY_SLACK,
     BASELINE_TAU,
     NFE_TARGET,
@@ -68,7 +68,7 @@ from tdlm.demo_findings import (  # noqa: F401  (the report's findings; their na
 from tdlm.errors import TDLMError
 from tdlm.tasks.toydata import MULTI_GEN_LENGTH, MULTI_TEST_SIZE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_BACKBONE = "tiny-multi"
 DEMO_TASK = "multi"
 DEMO_GEN_CONFIG = "configs/gen_tiny_multi.yaml"
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     card = json.loads((backbone_dir / "training.json").read_text()) if (backbone_dir / "training.json").exists() else {}
     train_summary = json.loads((train_dir / "summary.json").read_text())
     minutes = (time.time() - t_start) / 60
-    repro = _reproduction(runs, card, plan)
+    repro = _reproduction(runs, card, plan.block_size)
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in stage_s.items())
     report = f"""# tdlm demo report
 
@@ -463,11 +463,3 @@ Plots: {', '.join(p.name for p in plots) or 'none'}
     print("\n" + report)
     print(f"report: {out / 'report.md'}")
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
