@@ -339,3 +339,99 @@ def test_sweep_table4_pairs_each_allocation_with_the_baselines_folder(tmp_path):
     assert re.search(r"\| [+−]\d+\.\d\d \[[+−]\d+\.\d\d, [+−]\d+\.\d\d\] \| [\d.<]+ \(\d+/\d+\) \| 1\.67× \[1\.67, "
                      r"1\.67\] \|$", full), full
     assert "| Fast-dLLM τ=0.9 (reference) | – |" in table and "| reference | – | – |" in table
+
+
+# -- several training seeds per side: the two-level bootstrap (tdlm.evaluation.paired.two_level_bootstrap) -----------
+def _seed_runs(matrix, prefix="arith/") -> list[list[dict]]:
+    """One list of scored records per training seed (row), ids by column."""
+    return [[{"id": f"{prefix}{j:04d}", "correct": bool(v)} for j, v in enumerate(row)] for row in np.asarray(matrix)]
+
+
+def test_two_level_with_one_seed_each_is_the_paired_bootstrap_bit_for_bit():
+    """The exact relation: one seed on each side leaves only the problem draw, which is compare()'s own draw."""
+    from tdlm.evaluation.paired import compare_seeds
+
+    rng = np.random.default_rng(11)
+    run, ref = _recs(list(rng.random(150) < 0.7)), _recs(list(rng.random(150) < 0.6))
+    for seed, resamples in ((SEED, RESAMPLES), (5, 300)):
+        one = compare(run, ref, seed=seed, resamples=resamples)
+        two = compare_seeds([run], [ref], seed=seed, resamples=resamples)
+        assert (two.accuracy_diff, two.accuracy_diff_ci) == (one.accuracy_diff, one.accuracy_diff_ci)
+        assert (two.n, two.run_seeds, two.reference_seeds, two.seed, two.resamples) == (150, 1, 1, seed, resamples)
+
+
+def test_two_level_with_identical_seeds_on_each_side_is_the_paired_bootstrap_too():
+    """Seeds that agree problem by problem add nothing: three identical seeds per side give compare()'s numbers, so
+    the problems stay paired across the two sides however many seeds there are."""
+    from tdlm.evaluation.paired import two_level_bootstrap
+
+    rng = np.random.default_rng(12)
+    x = rng.random(120) < 0.5
+    y = x.copy()
+    y[:12] = ~y[:12]  # 12 problems flipped: a small, problem-level difference
+    one = compare(_recs(list(y)), _recs(list(x)))
+    assert two_level_bootstrap(np.tile(y, (3, 1)), np.tile(x, (3, 1))) == (one.accuracy_diff, one.accuracy_diff_ci)
+    assert two_level_bootstrap(np.tile(y, (3, 1)), np.tile(x, (2, 1))) == (one.accuracy_diff, one.accuracy_diff_ci)
+
+
+def test_two_level_identical_runs_give_zero_with_zero_width():
+    from tdlm.evaluation.paired import compare_seeds
+
+    x = np.random.default_rng(13).random(80) < 0.6
+    res = compare_seeds(_seed_runs(np.tile(x, (3, 1))), _seed_runs(np.tile(x, (3, 1))))
+    assert (res.accuracy_diff, res.accuracy_diff_ci, res.evidence) == (0.0, (0.0, 0.0), False)
+
+
+def test_two_level_resamples_the_seeds():
+    """Seed 0 of the run got every problem wrong and seed 1 every one right; the reference the other way round. Both
+    average 50% on every problem, so a bootstrap that keeps all seeds sees no spread at all; resampling the seeds
+    draws both seeds of one side 1/4 of the time: a difference of -1 or +1 has probability 1/16 each (> 2.5%)."""
+    from tdlm.evaluation.paired import two_level_bootstrap
+
+    run = np.array([[0] * 40, [1] * 40])
+    assert two_level_bootstrap(run, run[::-1]) == (0.0, (-1.0, 1.0))
+
+
+def test_two_level_resamples_each_sides_seeds_on_its_own():
+    """An allocation against itself: zero difference, but an interval as wide as its seed-to-seed spread (its seeds
+    and the other side's are separate trainings, drawn independently; pairing seeds by number would give [0, 0])."""
+    from tdlm.evaluation.paired import two_level_bootstrap
+
+    rng = np.random.default_rng(14)
+    spread = np.stack([rng.random(100) < p for p in (0.4, 0.6, 0.8)])
+    point, (lo, hi) = two_level_bootstrap(spread, spread)
+    assert point == 0.0 and lo < -0.05 and hi > 0.05
+
+
+def test_two_level_big_deterministic_difference_is_evidence():
+    from tdlm.evaluation.paired import compare_seeds
+
+    rng = np.random.default_rng(15)
+    good = np.stack([rng.random(100) < 0.9 for _ in range(3)])
+    bad = np.stack([rng.random(100) < 0.1 for _ in range(3)])
+    res = compare_seeds(_seed_runs(good), _seed_runs(bad))
+    assert res.evidence and 0.6 < res.accuracy_diff_ci[0] <= res.accuracy_diff <= res.accuracy_diff_ci[1]
+    assert res.accuracy_diff == pytest.approx(good.mean() - bad.mean(), abs=1e-12)
+    back = compare_seeds(_seed_runs(bad), _seed_runs(good))
+    assert back.evidence and back.accuracy_diff_ci[1] < -0.6
+    d = res.to_dict()
+    assert (d["seed"], d["resamples"], d["run_seeds"], d["reference_seeds"]) == (SEED, RESAMPLES, 3, 3)
+    assert "two-level" in d["interval"] and d["evidence"] is True and "excludes 0" in d["evidence_rule"]
+
+
+def test_two_level_pairs_by_id_and_refuses_other_problems():
+    from tdlm.evaluation.paired import compare_seeds
+
+    rng = np.random.default_rng(16)
+    a = _seed_runs(np.stack([rng.random(60) < 0.7 for _ in range(3)]))
+    b = _seed_runs(np.stack([rng.random(60) < 0.5 for _ in range(2)]))
+    res = compare_seeds(a, b)
+    shuffled = [random.Random(k).sample(recs, len(recs)) for k, recs in enumerate(a)]
+    assert compare_seeds(shuffled, b) == res and (res.run_seeds, res.reference_seeds) == (3, 2)
+    with pytest.raises(PairingError, match=r"^run \(seed run 2 of 3\) and the first seed run decoded different "
+                                           r"problems: 1 only in the first seed run \(arith/0059\); 59 shared$"):
+        compare_seeds([a[0], a[1][:-1], a[2]], b)
+    with pytest.raises(PairingError, match=r"^reference \(seed run 1 of 2\) and the first seed run decoded "):
+        compare_seeds(a, [b[0][1:], b[1]])
+    with pytest.raises(PairingError, match=r"no 'correct' field"):
+        compare_seeds(a, [[{k: v for k, v in r.items() if k != "correct"} for r in b[0]]])

@@ -41,7 +41,7 @@ def test_sweep_config_plans_every_allocation_and_names_bad_ones(monkeypatch):
         plan(cfg, "dispersed:8", TINY)
     with pytest.raises(TDLMError, match=r"train_overrides must be free of model.layers"):
         load_sweep_config(TINY, ["train_overrides=[model.layers=all]"])
-    with pytest.raises(TDLMError, match=r"eval.baselines must be a list of original, threshold, entropy"):
+    with pytest.raises(TDLMError, match=r"eval.baselines must be a list of original, threshold, entropy, credit, soft"):
         load_sweep_config(TINY, ["eval.baselines=[tdlm]"])
     with pytest.raises(TDLMError, match=r"^override 'allocation=all': unknown key 'allocation'; did you mean "
                                         r"'allocations'\?$"):

@@ -23,6 +23,12 @@ result. The problems are put in id order before drawing, so the numbers do not d
 run's records. Samples of one batch share its wall time, so the seconds interval is optimistic (the same caveat as
 ``seconds_se`` in :mod:`tdlm.evaluation.metrics`).
 
+Two *allocations*, each trained with several seeds and decoded on the same problems (a sweep with ``seeds``), are
+compared by :func:`compare_seeds` / :func:`two_level_bootstrap`: the difference of the seed-averaged accuracies with
+a two-level percentile bootstrap interval (each side's seeds resampled on its own, the problems resampled once for
+both), marked as evidence only when the interval excludes zero. With one seed per side it is :func:`compare`'s
+accuracy interval exactly.
+
 :func:`attach_paired` fills ``run["paired"]`` of every run dict against a reference run chosen by name (the run
 folder name, :attr:`tdlm.evaluation.config.RunSpec.name`; default :data:`DEFAULT_REFERENCE`) within each group of
 :func:`tdlm.evaluation.metrics.comparison_key` (same backbone, task, budget and block size).
@@ -193,6 +199,120 @@ def compare(run: Sequence[dict], reference: Sequence[dict], *, allow_subset: boo
     )  # fmt: skip
 
 
+# -- several training seeds per side: the two-level bootstrap ---------------------------------------------------
+SEEDS_INTERVAL = ("percentile two-level bootstrap: training seeds resampled on each side independently, then "
+                  "problems resampled once for both sides (paired)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SeedPairedResult:
+    """Two allocations, each trained with several seeds and decoded on the same ``n`` problems
+    (:func:`two_level_bootstrap` for the definition). ``evidence``: the interval excludes zero."""
+
+    n: int
+    run_seeds: int
+    reference_seeds: int
+    accuracy_diff: float  # mean over the run's seeds and problems minus the reference's
+    accuracy_diff_ci: tuple[float, float]
+    evidence: bool
+    seed: int = SEED
+    resamples: int = RESAMPLES
+    confidence: float = CONFIDENCE
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["accuracy_diff_ci"] = [float(v) for v in self.accuracy_diff_ci]
+        d["interval"] = SEEDS_INTERVAL
+        d["evidence_rule"] = f"the {100 * self.confidence:g}% interval excludes 0"
+        return d
+
+
+def two_level_bootstrap(run: np.ndarray, reference: np.ndarray, *, seed: int = SEED, resamples: int = RESAMPLES,
+                        confidence: float = CONFIDENCE) -> tuple[float, tuple[float, float]]:  # fmt: skip
+    """Accuracy difference of two allocations with a two-level percentile bootstrap interval.
+
+    ``run`` (S_r x n) and ``reference`` (S_f x n) hold 0/1 correctness, one row per training seed, one column per
+    problem, the columns of both in the same problem order. The difference is mean(run) - mean(reference), each
+    the mean over its seeds of the seed's accuracy. Each of ``resamples`` draws:
+
+    1. problems: n indices with replacement, **one draw for both sides** (the problems are shared, so the comparison
+       stays paired by problem, as :func:`compare`);
+    2. seeds: S_r indices into the run's seeds and S_f into the reference's, with replacement, **each side on its
+       own**: seed k of one allocation and seed k of another are separate trainings (other parameters, other
+       shapes) with nothing in common but the number, so pairing them by number would be arbitrary. A consequence:
+       an allocation compared with itself gets a zero difference but an interval as wide as its seed-to-seed
+       spread, which is what a second, independent set of trainings of it could show;
+    3. the difference of the two means over the drawn seeds and problems.
+
+    The interval is the (1 - confidence)/2 and (1 + confidence)/2 quantiles of those differences. The generator is
+    ``numpy.random.default_rng(seed)``, the problem indices drawn first with the same call as :func:`compare`, so with
+    one seed on each side the result equals :func:`compare`'s ``accuracy_diff`` and ``accuracy_diff_ci`` exactly
+    (the paired bootstrap over problems), bit for bit.
+    """
+    a, b = np.asarray(run, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or 0 in (*a.shape, *b.shape):
+        raise ValueError(f"expected (seeds, problems) arrays with the same problems; got {a.shape} and {b.shape}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1; got {resamples}")
+    n = a.shape[1]
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(resamples, n))  # 1: problems, shared by both sides (compare()'s draw)
+    rows = np.arange(resamples)[:, None]
+
+    def seed_means(m: np.ndarray) -> np.ndarray:
+        """(resamples, n): each problem's correctness averaged over a resample of the seeds (2), as counts of the
+        drawn seeds times the rows, divided once (exact: identical seeds give their own row back)."""
+        k = m.shape[0]
+        counts = np.zeros((resamples, k))
+        np.add.at(counts, (rows, rng.integers(0, k, size=(resamples, k))), 1.0)
+        return (counts @ m) / k
+
+    per_problem = seed_means(a) - seed_means(b)
+    diffs = np.take_along_axis(per_problem, idx, axis=1).mean(axis=1)  # 3
+    point = float((a.mean(axis=0) - b.mean(axis=0)).mean())
+    return point, _interval(diffs, confidence)
+
+
+def _seed_matrix(seeds: Sequence[Sequence[dict]], who: str, ids: list[str] | None) -> tuple[np.ndarray, list[str]]:
+    """(seeds x problems) correctness of one side, columns in id order; every seed must have decoded ``ids``
+    (the first seed's ids when None)."""
+    if not seeds:
+        raise PairingError(f"{who}: no seed with per-sample records")
+    rows = []
+    for k, records in enumerate(seeds):
+        label = f"{who} (seed run {k + 1} of {len(seeds)})"
+        by_id = _by_id(records, label)
+        if ids is None:
+            ids = sorted(by_id)
+        if set(by_id) != set(ids):  # pair() names the ids found on one side only
+            pair(records, [{"id": i} for i in ids], run_label=label, reference_label="the first seed run")
+            raise PairingError(f"{label} decoded other problems than the first seed run")
+        missing = next((i for i in ids if "correct" not in by_id[i]), None)
+        if missing is not None:
+            raise PairingError(f"{label}: sample {missing!r} has no 'correct' field (not scored yet)")
+        rows.append([bool(by_id[i]["correct"]) for i in ids])
+    return np.asarray(rows, dtype=np.float64), ids
+
+
+def compare_seeds(run: Sequence[Sequence[dict]], reference: Sequence[Sequence[dict]], *, seed: int = SEED,
+                  resamples: int = RESAMPLES, confidence: float = CONFIDENCE, run_label: str = "run",
+                  reference_label: str = "reference") -> SeedPairedResult:  # fmt: skip
+    """:func:`two_level_bootstrap` of scored sample records: ``run`` and ``reference`` are lists with one list of
+    records (``id``, ``correct``) per training seed. Every seed of both sides must have decoded the same problems
+    (PairingError, one line, otherwise); records are matched by id, never by position."""
+    a, ids = _seed_matrix(run, run_label, None)
+    b, _ = _seed_matrix(reference, reference_label, ids)
+    point, ci = two_level_bootstrap(a, b, seed=seed, resamples=resamples, confidence=confidence)
+    return SeedPairedResult(n=len(ids), run_seeds=a.shape[0], reference_seeds=b.shape[0], accuracy_diff=point,
+                            accuracy_diff_ci=ci, evidence=bool(ci[0] > 0 or ci[1] < 0), seed=seed,
+                            resamples=resamples, confidence=confidence)  # fmt: skip
+
+
+def samples_of(run: dict) -> Sequence[dict]:
+    """A run dict's scored per-sample records (its ``samples.jsonl``); PairingError when there are none."""
+    return _samples_of(run, None)
+
+
 # -- run dicts (summaries) ------------------------------------------------------------------------------------
 def run_name(run: dict) -> str:
     """A run's folder name (``threshold-tau0.9``, ``tdlm-d16-tau0.9-full-dual``): its summary's ``name``, or the
@@ -321,6 +441,6 @@ def wandb_metrics(run: dict) -> dict[str, float]:
     return out
 
 
-__all__ = ["CONFIDENCE", "DEFAULT_REFERENCE", "RESAMPLES", "SEED", "PairedResult", "PairingError", "attach_paired",
-           "compare", "mcnemar_exact", "pair", "paired_against", "run_name", "samples_path", "settings",
-           "wandb_metrics"]  # fmt: skip
+__all__ = ["CONFIDENCE", "DEFAULT_REFERENCE", "RESAMPLES", "SEED", "SEEDS_INTERVAL", "PairedResult", "PairingError",
+           "SeedPairedResult", "attach_paired", "compare", "compare_seeds", "mcnemar_exact", "pair", "paired_against",
+           "run_name", "samples_of", "samples_path", "settings", "two_level_bootstrap", "wandb_metrics"]  # fmt: skip

@@ -1,5 +1,8 @@
 """Layer-allocation sweeps (the paper's Table 4): one command trains and evaluates a list of allocations on the same
-trajectories and seeds, logging training, evaluation and one run per trial to one W&B project and group.
+trajectories and seeds, logging training, evaluation and one run per trial to one W&B project and group. With
+``seeds: [0, 1, 2]`` each allocation is trained once per training seed (a trial per allocation and seed, the W&B
+runs of an allocation's seeds in one group) and Table 4 reports mean ± sd over seeds, each allocation's difference
+from the first with a two-level bootstrap interval over seeds and problems.
 
 * :mod:`.config` - ``SweepConfig`` (``configs/sweep_*.yaml``) and the per-allocation plan (indices, parameters)
 * :mod:`.trial` - one allocation: the real DeepSpeed launcher, the evaluator, the model card, the trial's W&B run

@@ -7,8 +7,12 @@ With W&B sweeps (from the repository root; the agents may run on several nodes s
     python launcher/sweep.py wandb-file --config configs/sweep_llada_table4.yaml -o sweep.yaml
     wandb sweep sweep.yaml                   # prints the sweep id
     wandb agent <entity>/<project>/<sweep id>  # runs: launcher/sweep.py trial --config ... allocation=dispersed:8
-One allocation by hand (what an agent runs):
+One allocation by hand (what an agent runs; a sweep with seeds also takes seed=K):
     python launcher/sweep.py trial --config configs/sweep_tiny.yaml allocation=middle:3
+    python launcher/sweep.py trial --config configs/sweep_tiny_seeds.yaml allocation=all seed=1
+Training seeds as an axis (each allocation once per seed; Table 4 as mean ± sd over seeds, differences with a
+two-level bootstrap over seeds and problems):
+    python launcher/sweep.py run --config configs/sweep_tiny_seeds.yaml
 Table 4 again from the folder's JSON:
     python eval/compare.py runs/sweeps/tiny-table4
 
@@ -43,7 +47,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         if name == "wandb-file":
             p.add_argument("-o", "--output", help="write the file here (default: print it)")
         p.add_argument("overrides", nargs="*",
-                       help="key=value overrides of the sweep config (eval.limit=50); for trial: allocation=SPEC")
+                       help="key=value overrides of the sweep config (eval.limit=50); for trial: allocation=SPEC "
+                            "(and seed=K in a sweep with seeds)")
     return ap
 
 
@@ -69,13 +74,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         overrides = list(args.overrides)
-        allocation = None
+        allocation = seed = None
         if args.cmd == "trial":
             picked = [o for o in overrides if o.startswith("allocation=")]
             if len(picked) != 1:
                 raise TDLMError("trial: give exactly one allocation=SPEC (e.g. allocation=dispersed:8)")
             overrides.remove(picked[0])
             allocation = picked[0].split("=", 1)[1]
+            seeds = [o for o in overrides if o.startswith("seed=")]
+            if len(seeds) > 1:
+                raise TDLMError(f"trial: give at most one seed=K; got {seeds}")
+            if seeds:
+                overrides.remove(seeds[0])
+                try:
+                    seed = int(seeds[0].split("=", 1)[1])
+                except ValueError:
+                    raise TDLMError(f"trial: {seeds[0]}: expected an integer training seed") from None
         cfg = load_sweep_config(args.config, overrides)
         if args.cmd != "wandb-file":
             check_checkout()
@@ -85,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(text, end="")
             return 0
         if args.cmd == "trial":
-            return run_trial(cfg, allocation, args.config, where=f"allocation={allocation}")
+            return run_trial(cfg, allocation, args.config, where=f"allocation={allocation}", seed=seed)
         return run_sweep(cfg, args.config, args.config, overrides)
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -3,6 +3,12 @@
 A sweep trains one adapter per layer allocation from the *same* run config (``train_config`` + ``train_overrides``,
 so the same trajectories, seeds and recipe; only ``model.layers`` differs) and evaluates each on the same problems.
 Every allocation is validated against the backbone on the meta device before anything runs.
+
+With ``seeds: [0, 1, 2]`` every allocation is trained once per training seed (``train.seed``; the trajectories, their
+order and the sampled states - ``data.seed`` - stay the sweep's): each (allocation, seed) is a *trial* named
+``<allocation slug>-seed<k>`` (:func:`trial_slug`), and the W&B runs of one allocation's seeds share a group
+(:func:`wandb_group`). Without ``seeds`` (the default, ``null``) there is one trial per allocation at the run config's
+``train.seed``, named by the allocation alone, as before seeds were an axis.
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ class SweepConfig:
     project: str = "tdlm"  # W&B project of training and evaluation alike
     wandb_mode: str | None = None  # online | offline | disabled; None = WANDB_MODE, else online with a key
     eval: SweepEvalConfig = field(default_factory=SweepEvalConfig)
+    # Training seeds (train.seed): each allocation is trained once per seed on the same trajectories; trials are
+    # named <slug>-seed<k> and Table 4 reports mean ± sd over seeds. None = one trial per allocation at the run
+    # config's train.seed, named <slug> (the layout of sweeps before seeds were an axis).
+    seeds: list[int] | None = None
 
 
 @dataclass
@@ -63,6 +73,29 @@ class AllocationPlan:
     num_layers: int  # of the backbone
     parameters: int  # trainable temporal parameters of the adapter
     run: RunConfig  # the run config of this trial (before output_dir / wandb are set)
+    seed: int | None = None  # the trial's training seed when the sweep has seeds (run.train.seed is set to it)
+    experiment: str = ""  # the sweep's experiment (W&B group of a sweep without seeds)
+
+    @property
+    def trial(self) -> str:
+        """The trial's name: its folders (train/, eval/, trials/), W&B run names and evaluation adapter label."""
+        return trial_slug(self.slug, self.seed)
+
+    @property
+    def group(self) -> str:
+        """The W&B group of the trial's training, evaluation and trial runs."""
+        return wandb_group(self.experiment, self.slug, self.seed)
+
+
+def trial_slug(allocation_slug: str, seed: int | None) -> str:
+    """``dispersed-8`` (a sweep without seeds) or ``dispersed-8-seed1``."""
+    return allocation_slug if seed is None else f"{allocation_slug}-seed{seed}"
+
+
+def wandb_group(experiment: str, allocation_slug: str, seed: int | None) -> str:
+    """The W&B group of a trial's runs: the experiment for a sweep without seeds; with seeds, one group per
+    allocation (``<experiment>-<slug>``), so W&B's UI averages an allocation's seeds (mean and spread per group)."""
+    return experiment if seed is None else f"{experiment}-{allocation_slug}"
 
 
 def slug(spec: str) -> str:
@@ -118,6 +151,9 @@ def validate(cfg: SweepConfig, source: str, origins: dict[str, str] | None = Non
         raise bad("allocations", "distinct allocations", cfg.allocations)
     if not cfg.launcher:
         raise bad("launcher", "a command such as [deepspeed] or [deepspeed, --num_gpus, 2]", cfg.launcher)
+    if cfg.seeds is not None and (not cfg.seeds or len(set(cfg.seeds)) != len(cfg.seeds)
+                                  or any(k < 0 for k in cfg.seeds)):  # fmt: skip
+        raise bad("seeds", "a non-empty list of distinct integers >= 0 (e.g. [0, 1, 2]) or null", cfg.seeds)
     if cfg.wandb_mode not in (None, "online", "offline", "disabled"):
         raise bad("wandb_mode", "online, offline, disabled or null", cfg.wandb_mode)
     for item in cfg.train_overrides:
@@ -126,13 +162,15 @@ def validate(cfg: SweepConfig, source: str, origins: dict[str, str] | None = Non
             raise bad("train_overrides", "section.key=value items", item)
         if key in ("model.layers", "output_dir") or key.startswith("wandb."):
             raise bad("train_overrides", f"free of {key} (the sweep sets it per allocation)", item)
+        if key == "train.seed" and cfg.seeds is not None:
+            raise bad("train_overrides", "free of train.seed when seeds are given (the sweep sets it per trial)", item)
     e = cfg.eval
     for t in e.tasks:
         if t not in TASK_NAMES:
             raise bad("eval.tasks", f"a list of {', '.join(TASK_NAMES)}", e.tasks)
     for p in e.baselines:
         if p not in POLICIES or p == "tdlm":
-            raise bad("eval.baselines", "a list of original, threshold, entropy", e.baselines)
+            raise bad("eval.baselines", f"a list of {', '.join(p for p in POLICIES if p != 'tdlm')}", e.baselines)
     if not e.thresholds or any(not 0.0 <= t <= 1.0 for t in e.thresholds):
         raise bad("eval.thresholds", "a non-empty list of taus in [0, 1]", e.thresholds)
     for name in ("train_config", "ds"):
@@ -151,9 +189,11 @@ def base_run(cfg: SweepConfig, source: str, where: str | None = None) -> RunConf
     return from_dict(RunConfig, raw, cfg.train_config)
 
 
-def plan(cfg: SweepConfig, spec: str, source: str, where: str | None = None) -> AllocationPlan:
+def plan(cfg: SweepConfig, spec: str, source: str, where: str | None = None,
+         seed: int | None = None) -> AllocationPlan:  # fmt: skip
     """Resolve one allocation on the backbone's meta copy: indices and parameter count, or one line naming where
-    the allocation was written (``where``; default ``<sweep file>: allocations: 'SPEC'``)."""
+    the allocation was written (``where``; default ``<sweep file>: allocations: 'SPEC'``). ``seed``: the trial's
+    training seed (a sweep with ``seeds``), set as the run's ``train.seed``."""
     import torch
 
     from tdlm.models.loading import load_backbone_meta
@@ -162,6 +202,8 @@ def plan(cfg: SweepConfig, spec: str, source: str, where: str | None = None) -> 
 
     raw = to_dict(base_run(cfg, source))
     raw["model"]["layers"] = str(spec)  # as text: "3" is one explicit layer, not a number
+    if seed is not None:
+        raw["train"]["seed"] = int(seed)
     run = from_dict(RunConfig, raw, cfg.train_config)
     validate_run(run, cfg.train_config)
     try:
@@ -171,7 +213,8 @@ def plan(cfg: SweepConfig, spec: str, source: str, where: str | None = None) -> 
     except TDLMError as e:
         raise TDLMError(f"{where or f'{source}: allocations: {spec!r}'} on {run.model.backbone}: {e}") from e
     return AllocationPlan(spec=spec, slug=slug(spec), layers=list(model.layer_ids), num_layers=meta.num_layers,
-                          parameters=model.num_temporal_parameters(), run=run)
+                          parameters=model.num_temporal_parameters(), run=run, seed=seed,
+                          experiment=cfg.experiment)  # fmt: skip
 
 
 def plan_all(cfg: SweepConfig, source: str) -> list[AllocationPlan]:

@@ -11,6 +11,9 @@ The W&B file is a grid over one parameter, ``allocation``, whose command is this
 (``launcher/sweep.py trial --config C allocation=dispersed:8``). The local runner builds every grid point's command
 from the same file with W&B's own command builder (``wandb.sdk.launch.sweeps.utils``, the code ``wandb agent`` runs)
 and runs the trials one after another, so both ways execute identical commands; it ends with Table 4.
+
+A sweep with ``seeds`` has a second parameter, ``seed: {values: [0, 1, 2]}``: the grid is allocation x seed (all
+seeds of an allocation, then the next allocation) and each point runs ``trial ... allocation=SPEC seed=K``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ PROGRAM = "launcher/sweep.py"
 
 
 def wandb_sweep_spec(cfg: SweepConfig, config_path: str, overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """The W&B sweep config (``wandb sweep`` input) whose grid is ``cfg.allocations``; ``overrides`` (sweep config
-    ``key=value``) are passed to every trial."""
+    """The W&B sweep config (``wandb sweep`` input) whose grid is ``cfg.allocations`` (x ``cfg.seeds`` when the
+    sweep has seeds); ``overrides`` (sweep config ``key=value``) are passed to every trial."""
+    parameters: dict = {"allocation": {"values": list(cfg.allocations)}}
+    if cfg.seeds is not None:
+        parameters["seed"] = {"values": list(cfg.seeds)}
     return {
         "name": cfg.experiment,
         "description": f"TDLM layer-allocation sweep (Table 4 shape); settings in {config_path}",
@@ -40,7 +46,7 @@ def wandb_sweep_spec(cfg: SweepConfig, config_path: str, overrides: list[str] | 
         "program": PROGRAM,
         "method": "grid",
         "metric": {"name": "accuracy", "goal": "maximize"},
-        "parameters": {"allocation": {"values": list(cfg.allocations)}},
+        "parameters": parameters,
         "command": ["${env}", "${interpreter}", "${program}", "trial", "--config", config_path,
                     *[o for o in overrides if not o.startswith("allocations=")], "${args_no_hyphens}"],
     }
@@ -84,20 +90,23 @@ def agent_command(spec: dict, point: dict) -> list[str]:
 
 
 def run_sweep(cfg: SweepConfig, config_path: str, source: str, overrides: list[str] | tuple[str, ...] = ()) -> int:
-    """Every allocation, in order, through the trial command; then Table 4. Returns 1 if any trial failed."""
+    """Every trial (allocation, and seed when the sweep has seeds), in order, through the trial command; then
+    Table 4. Returns 1 if any trial failed. A rerun resumes: finished training is a no-op, decoded samples are kept."""
     from tdlm.sweep.table import plot_sweep, write_table4
 
-    plans = plan_all(cfg, source)  # every allocation checked against the backbone before anything runs
+    plans = dict(zip(cfg.allocations, plan_all(cfg, source), strict=True))  # all checked before anything runs
     spec = wandb_sweep_spec(cfg, config_path, overrides)
     points = grid(spec, source)
     failed = []
-    for i, (point, p) in enumerate(zip(points, plans, strict=True), 1):
-        print(f"\n=== [{i}/{len(points)}] allocation {p.spec}: {len(p.layers)} layers, {p.parameters:,} parameters",
+    for i, point in enumerate(points, 1):
+        p = plans[point["allocation"]]
+        at = f", training seed {point['seed']}" if "seed" in point else ""
+        print(f"\n=== [{i}/{len(points)}] allocation {p.spec}{at}: {len(p.layers)} layers, {p.parameters:,} parameters",
               flush=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_SWEEP") and k != "WANDB_RUN_ID"}
         rc = subprocess.call(agent_command(spec, point), env=env)
         if rc != 0:
-            failed.append(f"{p.spec} (exit {rc})")
+            failed.append(f"{p.spec}{at} (exit {rc})")
     text, path = write_table4(cfg.output_dir)
     plots = plot_sweep(cfg.output_dir)
     print("\n" + text + f"\n(written to {path}; comparison plots: {', '.join(str(p) for p in plots) or 'none'})",

@@ -9,7 +9,10 @@ Recipe of :func:`run_trial`:
 2. train: ``<launcher> launcher/train.py --ds DS --config TRAIN_CONFIG model.layers=SPEC wandb.group=EXPERIMENT ...``
    into ``train/<slug>`` (``--resume`` when the folder already holds the run, so a rerun finishes or skips it);
    output is teed to ``train/<slug>.log``. A failed launch (an OOM, say) is recorded as this allocation's result,
-   as the paper reports "32, all: Training OOM";
+   as the paper reports "32, all: Training OOM". In a sweep with ``seeds`` the trial is one (allocation, seed):
+   ``<slug>`` is ``<allocation slug>-seed<k>`` (:func:`tdlm.sweep.config.trial_slug`), training gets
+   ``train.seed=<k>``, and the W&B group is the allocation's (``<experiment>-<allocation slug>``), shared by its
+   seeds;
 3. evaluate, in this process: the baselines once per sweep (``eval/baselines``, under a lock, so concurrent agents
    decode them once) and this adapter with ``tdlm`` at every tau (``eval/<slug>``). The evaluation runs record the
    training run they evaluate (``trained_by``; online also as W&B artifact lineage);
@@ -117,15 +120,16 @@ def prepare_trajectories(cfg: SweepConfig, source: str) -> str:
 def sweep_record(cfg: SweepConfig, source: str, manifest_sha: str) -> dict:
     run = base_run(cfg, source)
     settings = to_dict(cfg)
-    # What makes the allocations comparable is fixed; a sweep may grow by allocations, and where and how a trial runs
-    # (launcher, W&B mode, evaluation workers) may differ between agents.
-    for key in ("allocations", "launcher", "wandb_mode", "output_dir"):
+    # What makes the allocations comparable is fixed; a sweep may grow by allocations (and by training seeds, kept in
+    # "seeds"), and where and how a trial runs (launcher, W&B mode, evaluation workers) may differ between agents.
+    for key in ("allocations", "launcher", "wandb_mode", "output_dir", "seeds"):
         settings.pop(key)
     for key in ("workers", "threads"):
         settings["eval"].pop(key)
     return {"experiment": cfg.experiment, "settings": settings, "backbone": run.model.backbone,
             "trajectories": {"path": str(Path(run.data.trajectories).resolve()), "manifest": manifest_sha},
-            "seeds": {"train": run.train.seed, "data": run.data.seed}, "allocations": list(cfg.allocations),
+            "seeds": {"train": run.train.seed if cfg.seeds is None else list(cfg.seeds), "data": run.data.seed},
+            "allocations": list(cfg.allocations),
             "source": source}  # fmt: skip
 
 
@@ -139,16 +143,31 @@ def ensure_sweep_record(cfg: SweepConfig, source: str, manifest_sha: str) -> dic
             _write_json(path, new)
             return new
         old = json.loads(path.read_text())
-        diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in ("settings", "trajectories", "seeds", "backbone")
+        diffs = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in ("settings", "trajectories", "backbone")
                  if old.get(k) != new[k]]  # fmt: skip
+        if _seed_kind(old.get("seeds")) != _seed_kind(new["seeds"]):
+            diffs.append(f"seeds: {old.get('seeds')!r} -> {new['seeds']!r}")
         if diffs:
             raise TDLMError(f"{path}: this folder holds a sweep with other settings or trajectories "
                             f"({'; '.join(d[:200] for d in diffs)}); use another output_dir, or the same settings")
         merged = list(dict.fromkeys(old.get("allocations", []) + list(cfg.allocations)))
-        if merged != old.get("allocations"):
-            old["allocations"] = merged
+        changed = merged != old.get("allocations")
+        old["allocations"] = merged
+        if isinstance(new["seeds"]["train"], list):  # a sweep with seeds may grow by seeds, as by allocations
+            seeds = list(dict.fromkeys(old["seeds"]["train"] + new["seeds"]["train"]))
+            changed |= seeds != old["seeds"]["train"]
+            old["seeds"]["train"] = seeds
+        if changed:
             _write_json(path, old)
         return old
+
+
+def _seed_kind(seeds: dict | None) -> dict | None:
+    """What trials of one sweep folder must agree on: the data seed, and either the one training seed (a sweep
+    without ``seeds``) or that training seeds are an axis (their list may grow)."""
+    if not isinstance(seeds, dict):
+        return seeds
+    return seeds | {"train": "per trial"} if isinstance(seeds.get("train"), list) else seeds
 
 
 # -- 2: training ----------------------------------------------------------------------------------
@@ -168,7 +187,9 @@ def train_command(cfg: SweepConfig, p: AllocationPlan, paths: TrialPaths) -> lis
     if (paths.train / "run_config.json").exists():
         cmd.append("--resume")  # finish an interrupted run, or a no-op for a finished one
     cmd += [*cfg.train_overrides, f"model.layers={json.dumps(p.spec)}", f"wandb.project={cfg.project}",
-            f"wandb.group={cfg.experiment}", f"wandb.name=train/{p.slug}"]
+            f"wandb.group={p.group}", f"wandb.name=train/{p.trial}"]
+    if p.seed is not None:
+        cmd += [f"train.seed={p.seed}", f"wandb.tags=[seed:{p.seed}]"]
     if cfg.wandb_mode:
         cmd.append(f"wandb.mode={cfg.wandb_mode}")
     return cmd
@@ -204,7 +225,9 @@ def failure_reason(log: Path, rc: int) -> str:
 
 
 # -- 3: evaluation --------------------------------------------------------------------------------
-def eval_config(cfg: SweepConfig, output_dir: Path, policies: list[str], adapters: list[str]):
+def eval_config(cfg: SweepConfig, output_dir: Path, policies: list[str], adapters: list[str],
+                group: str | None = None):  # fmt: skip
+    """The evaluation of ``adapters`` (or the baselines); ``group``: its W&B group (default the experiment)."""
     from tdlm.evaluation import EvalConfig
 
     e = cfg.eval
@@ -213,7 +236,8 @@ def eval_config(cfg: SweepConfig, output_dir: Path, policies: list[str], adapter
         backbone=backbone, output_dir=str(output_dir), tasks=list(e.tasks), policies=policies, adapters=adapters,
         thresholds=list(e.thresholds), tdlm_thresholds=list(e.thresholds), gen_length=e.gen_length,
         block_size=e.block_size, limit=e.limit, data_dir=e.data_dir, dtype=e.dtype, batch_size=e.batch_size,
-        workers=e.workers, threads=e.threads, group=cfg.experiment, project=cfg.project, wandb_mode=cfg.wandb_mode,
+        workers=e.workers, threads=e.threads, group=group or cfg.experiment, project=cfg.project,
+        wandb_mode=cfg.wandb_mode,
     )  # fmt: skip
 
 
@@ -224,7 +248,7 @@ def evaluate_trial(cfg: SweepConfig, p: AllocationPlan, paths: TrialPaths) -> li
     if cfg.eval.baselines:
         with file_lock(paths.baselines.parent / f".{BASELINES}.lock"):
             evaluate(eval_config(cfg, paths.baselines, list(cfg.eval.baselines), []))
-    evaluate(eval_config(cfg, paths.eval, ["tdlm"], [f"{p.slug}={paths.adapter}"]))
+    evaluate(eval_config(cfg, paths.eval, ["tdlm"], [f"{p.trial}={paths.adapter}"], p.group))
     dirs = [paths.eval] + ([paths.baselines] if cfg.eval.baselines else [])
     return compute_speedups(load_runs(dirs), cfg.eval.thresholds[0])
 
@@ -232,7 +256,7 @@ def evaluate_trial(cfg: SweepConfig, p: AllocationPlan, paths: TrialPaths) -> li
 def trial_results(runs: list[dict], p: AllocationPlan) -> list[dict]:
     keep = ("task", "threshold", "history", "n", "accuracy", "nfe_mean", "seconds_mean", "speedup_vs_original",
             "speedup_vs_threshold", "nfe_ratio_vs_threshold", "run_dir")  # fmt: skip
-    return [{k: r.get(k) for k in keep} for r in runs if r["policy"] == "tdlm" and r.get("adapter_label") == p.slug]
+    return [{k: r.get(k) for k in keep} for r in runs if r["policy"] == "tdlm" and r.get("adapter_label") == p.trial]
 
 
 # -- 4: records and the trial's W&B run -----------------------------------------------------------
@@ -251,10 +275,12 @@ def trial_wandb(cfg: SweepConfig, p: AllocationPlan, record: dict, agent_env: di
     try:
         config = {"experiment": cfg.experiment, "allocation": p.spec, "layers": p.layers, "num_layers": p.num_layers,
                   "temporal_parameters": p.parameters, "history": p.run.model.history, "backbone": p.run.model.backbone,
-                  "trained_by": (record.get("training") or {}).get("wandb"), "status": record["status"]}  # fmt: skip
-        tracker = Tracker(Path(cfg.output_dir) / "trials" / p.slug, cfg.project, cfg.experiment, f"sweep/{p.slug}",
+                  "trained_by": (record.get("training") or {}).get("wandb"), "status": record["status"],
+                  "seed": p.seed, "train_seed": p.run.train.seed}  # fmt: skip
+        extra = ["sweep-trial"] + ([f"seed:{p.seed}"] if p.seed is not None else [])
+        tracker = Tracker(Path(cfg.output_dir) / "trials" / p.trial, cfg.project, p.group, f"sweep/{p.trial}",
                           config, cfg.wandb_mode, job_type="sweep-trial",
-                          tags=run_tags(p.run.model.backbone, p.spec, p.run.model.history, ["sweep-trial"]))
+                          tags=run_tags(p.run.model.backbone, p.spec, p.run.model.history, extra))
         metrics: dict = {"temporal_parameters": p.parameters}
         for i, r in enumerate(record.get("results") or []):
             prefix = f"{r['task']}/tau{r['threshold']:g}/"
@@ -271,18 +297,32 @@ def trial_wandb(cfg: SweepConfig, p: AllocationPlan, record: dict, agent_env: di
             os.environ.pop(k, None)
 
 
-def run_trial(cfg: SweepConfig, spec: str, source: str, where: str | None = None) -> int:
-    """Train, evaluate and record one allocation; 0 = done, 1 = training or evaluation failed (recorded).
-    ``where`` names the allocation in errors (``allocation=SPEC`` when it came from the command line)."""
+def check_seed(cfg: SweepConfig, seed: int | None, where: str = "trial") -> None:
+    """A trial of a sweep with ``seeds`` names one of them; a sweep without seeds takes none (one line)."""
+    if cfg.seeds is None and seed is not None:
+        raise TDLMError(f"{where}: seed={seed} needs a sweep with seeds (seeds: [0, 1, 2]); this one has none")
+    if cfg.seeds is not None and seed not in cfg.seeds:
+        raise TDLMError(f"{where}: give seed=K, one of the sweep's seeds {cfg.seeds}" +
+                        ("" if seed is None else f"; got {seed}"))  # fmt: skip
+
+
+def run_trial(cfg: SweepConfig, spec: str, source: str, where: str | None = None, seed: int | None = None) -> int:
+    """Train, evaluate and record one allocation (at training seed ``seed`` in a sweep with ``seeds``); 0 = done,
+    1 = training or evaluation failed (recorded). ``where`` names the allocation in errors (``allocation=SPEC``
+    when it came from the command line)."""
     from tdlm.hub import write_model_card
 
+    check_seed(cfg, seed)
     agent_env = {k: os.environ.pop(k) for k in AGENT_ENV if k in os.environ}  # only the trial's own run uses them
-    p = plan(cfg, spec, source, where)
+    p = plan(cfg, spec, source, where, seed)
     out = Path(cfg.output_dir)
-    paths = TrialPaths(out, p.slug)
-    print(f"== trial {p.slug}: layers {p.layers} ({p.parameters:,} temporal parameters) -> {out}", flush=True)
+    paths = TrialPaths(out, p.trial)
+    at = "" if seed is None else f", training seed {seed}"
+    print(f"== trial {p.trial}: layers {p.layers} ({p.parameters:,} temporal parameters{at}) -> {out}", flush=True)
     ensure_sweep_record(cfg, source, prepare_trajectories(cfg, source))
-    record: dict = {"allocation": p.spec, "slug": p.slug, "layers": p.layers, "num_layers": p.num_layers,
+    record: dict = {"allocation": p.spec, "slug": p.trial, "allocation_slug": p.slug, "seed": p.seed,
+                    "train_seed": p.run.train.seed, "wandb_group": p.group, "layers": p.layers,
+                    "num_layers": p.num_layers,
                     "temporal_parameters": p.parameters, "history": p.run.model.history,
                     "backbone": p.run.model.backbone, "train_dir": str(paths.train), "adapter": str(paths.adapter),
                     "eval_dirs": [str(paths.eval)], "status": "training"}  # fmt: skip
@@ -294,7 +334,7 @@ def run_trial(cfg: SweepConfig, spec: str, source: str, where: str | None = None
         record |= {"status": "training failed", "error": failure_reason(paths.log, rc)}
         _write_json(paths.trial / TRIAL_RECORD, record)
         record["wandb"] = trial_wandb(cfg, p, record, agent_env)
-        print(f"trial {p.slug}: training failed: {record['error']}", file=sys.stderr, flush=True)
+        print(f"trial {p.trial}: training failed: {record['error']}", file=sys.stderr, flush=True)
         return 1
     record["training"] = {"steps": summary.get("steps"), "final_loss": summary.get("final_loss"),
                           "wall_s": summary.get("wall_s"), "wandb": _read(paths.train / "wandb_run.json"),
@@ -321,6 +361,6 @@ def run_trial(cfg: SweepConfig, spec: str, source: str, where: str | None = None
     record["wandb"] = trial_wandb(cfg, p, record, agent_env)
     _write_json(paths.trial / TRIAL_RECORD, record)
     for r in record["results"]:
-        print(f"trial {p.slug}: {r['task']} tau {r['threshold']:g}: accuracy {100 * r['accuracy']:.1f}%, "
+        print(f"trial {p.trial}: {r['task']} tau {r['threshold']:g}: accuracy {100 * r['accuracy']:.1f}%, "
               f"NFE {r['nfe_mean']:.2f}, {r['seconds_mean']:.3f} s", flush=True)
     return 0
