@@ -270,6 +270,8 @@ def test_trial_runs_of_one_allocation_share_a_wandb_group_offline(monkeypatch, t
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_SERVICE", "")  # wandb.init exports its service's socket; removed again at teardown
+    monkeypatch.delenv("WANDB_SERVICE")
     cfg = load_sweep_config(SEEDS, [f"output_dir={tmp_path}", "wandb_mode=offline"])
     p = plan(cfg, "middle:3", SEEDS, seed=1)
     record = {"status": "done", "results": [{"task": "arith", "threshold": 0.9, "accuracy": 0.5, "nfe_mean": 5.0,
@@ -278,6 +280,10 @@ def test_trial_runs_of_one_allocation_share_a_wandb_group_offline(monkeypatch, t
     assert (rec["group"], rec["name"], rec["job_type"], rec["mode"]) == (
         "tiny-seeds-middle-3", "sweep/middle-3-seed1", "sweep-trial", "offline")  # fmt: skip
     assert "seed:1" in rec["tags"]
+    import wandb
+
+    wandb.teardown()  # the service writes the .wandb file asynchronously: on a loaded machine finish() returned
+    # before its records were on disk (the file held only its header); teardown waits for the service to end
     (run_file,) = list((tmp_path / "trials" / "middle-3-seed1").glob("wandb/offline-run-*/run-*.wandb"))
     raw = run_file.read_bytes()
     for needle in (rec["id"], "tiny-seeds-middle-3", "seed:1", "train_seed"):
