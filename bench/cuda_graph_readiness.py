@@ -10,7 +10,10 @@ This bench decodes tiny LLaDA and Dream models with ``compile=True`` (inductor, 
 for every graph inductor compiles, the inputs it mutates and whether each is static (``CompiledFxGraph``'s
 ``mutated_input_idxs`` and ``static_input_idxs``, the numbers the trees use), each input named by its shape as the
 decode step holds it: a temporal history storage (B, W, 2, M, 1 + C, d_h), its validity (B, W, 1 + C) or counts
-(B, W), or a spatial KV cache (B, H, L, d_h).
+(B, W), or a spatial KV cache (B, H, L, d_h). Each cache mode runs with the dynamic storage plan; the uncached
+decodes run with the static plan too (``DecodeConfig.storage="static"``: the history allocated once at its final size,
+marked with ``torch._dynamo.mark_static_address``, written in place only), at batch 1 and for a left-padded batch of
+two whose rows finish at different evaluations (``storage`` and ``batch`` of each row).
 
 Only which graphs would be captured is established here; what a capture then costs on a GPU is not.
 
@@ -85,6 +88,13 @@ def probe(decode) -> list[dict]:
     return seen
 
 
+# one prompt (the paper's latency setting), and a left-padded batch of two whose rows finish at different evaluations
+BATCHES = {"1": [[3, 4, 40, 41, 42, 43]], "2 padded": [[3, 5, 50, 51], [3, 4, 70, 71, 72, 73, 74, 75, 76]]}
+# (cache, storage plan, batch): every cache mode with the dynamic plan, and the static plan where it exists (uncached)
+RUNS = [("none", "dynamic", "1"), ("none", "static", "1"), ("none", "static", "2 padded"), ("prefix", "dynamic", "1"),
+        ("dual", "dynamic", "1")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cuda_graph_readiness.json"))
@@ -92,21 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     result: dict = {"machine": machine(), "load_before": os.getloadavg(), "torch": torch.__version__, "rows": []}
-    print(f"{'model':11s} {'cache':6s} {'policy':9s} {'graphs':>6s} {'captured':>8s}  "
+    print(f"{'model':11s} {'cache':6s} {'storage':8s} {'batch':7s} {'policy':9s} {'graphs':>6s} {'captured':>8s}  "
           f"mutated inputs that are not static")
     for name in args.models.split(","):
         bb = load_backbone(name)
         model = TDLM(bb, TemporalConfig(layers="all", history="full")).eval()
-        for cache in ("none", "prefix", "dual"):
+        for cache, storage, batch in RUNS:
             for policy, target in (("threshold", bb), ("tdlm", model)):
-                graphs = probe(lambda t=target, p=policy, c=cache: tdlm.decode(
-                    t, [[3, 4, 40, 41, 42, 43]], policy=p, cache=c, gen_length=16, block_size=8, compile=True))
-                blocked = sorted({m["what"].split(" 1x")[0] for g in graphs for m in g["mutated"] if not m["static"]})
-                row = {"model": name, "cache": cache, "policy": policy, "graphs": graphs,
-                       "captured": sum(g["captured"] for g in graphs), "not_static_mutated": blocked}  # fmt: skip
+                graphs = probe(lambda t=target, p=policy, c=cache, s=storage, b=batch: tdlm.decode(
+                    t, BATCHES[b], policy=p, cache=c, storage=s, gen_length=16, block_size=8, compile=True))
+                blocked = sorted({m["what"].split(" 1x")[0].split(" 2x")[0]
+                                  for g in graphs for m in g["mutated"] if not m["static"]})  # fmt: skip
+                row = {"model": name, "cache": cache, "storage": storage, "batch": batch, "policy": policy,
+                       "graphs": graphs, "captured": sum(g["captured"] for g in graphs),
+                       "not_static_mutated": blocked}  # fmt: skip
                 result["rows"].append(row)
-                print(f"{name:11s} {cache:6s} {policy:9s} {len(graphs):6d} {row['captured']:8d}  "
-                      f"{', '.join(blocked) or '-'}", flush=True)  # fmt: skip
+                print(f"{name:11s} {cache:6s} {storage:8s} {batch:7s} {policy:9s} {len(graphs):6d} "
+                      f"{row['captured']:8d}  {', '.join(blocked) or '-'}", flush=True)  # fmt: skip
     result["load_after"] = os.getloadavg()
     write_result(args.out, result)
     return 0

@@ -188,7 +188,9 @@ def test_prop1_zero_wo_is_bit_identical_to_backbone(backbone_name, M):
         per_state = torch.stack([bb(x[:, i]) for i in range(K)], dim=1)
         par = model.forward_states(x, P)
         assert torch.equal(par, per_state)
-        assert torch.equal(par, bb(x.reshape(B * K, L)).view_as(par))
+        # the backbone over all B*K states at once is another batch shape: CPU GEMMs at 2 threads may block it
+        # differently, so that comparison is numerical (fp32), not Prop. 1's bit-for-bit claim
+        torch.testing.assert_close(par, bb(x.reshape(B * K, L)).view_as(par), rtol=1e-5, atol=1e-6)
         cache = model.new_cache(B)
         for i in range(K):
             assert torch.equal(model.forward_step(x[:, i], P, cache), per_state[:, i])

@@ -55,6 +55,7 @@ from tdlm.temporal.history import column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
 
 POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
+STORAGE_PLANS = ("dynamic", "static")
 
 
 @dataclass
@@ -71,6 +72,10 @@ class DecodeConfig:
     # torch.compile each step kind (fullgraph): False | True | "reduce-overhead" (+ CUDA graphs, CUDA only) |
     # "max-autotune" | "max-autotune-no-cudagraphs" | "eager" / "aot_eager" (dynamo's tracing-only backends)
     compile: bool | str = False
+    # Where the state a step writes lives: "dynamic" (sized as the decode goes: history buckets, compaction,
+    # finished rows leave the batch) | "static" (allocated once at its final size, fixed addresses reused across
+    # decodes of a batch size, rows stay in place until the batch ends: what CUDA graphs need; cache "none" only)
+    storage: str = "dynamic"
     # dInfer's defaults (tdlm/decoding/reuse.py): credit adds alpha log(1 + C) to the logits, C a per-block decayed sum
     credit_alpha: float = REUSE_DEFAULTS["credit_alpha"]  # credit: weight alpha (0: threshold decoding)
     credit_decay: float = REUSE_DEFAULTS["credit_decay"]  # credit: decay beta of C per evaluation, in [0, 1]
@@ -84,6 +89,11 @@ class DecodeConfig:
         if self.policy not in POLICIES:
             raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
         check_cache_mode(self.cache)
+        if self.storage not in STORAGE_PLANS:
+            raise TDLMError(f"decode storage {self.storage!r} unknown; expected one of {', '.join(STORAGE_PLANS)}")
+        if self.storage == "static" and self.cache != "none":
+            raise TDLMError(f"storage='static' covers cache='none' only so far (the spatial KV cache still grows "
+                            f"at each refresh); use storage='dynamic' with cache={self.cache!r}")  # fmt: skip
         mode = check_compile(self.compile)
         if mode is not None and mode[1] in _CUDA_GRAPH_MODES and self.cache != "none":
             # The first refresh creates the spatial KV cache inside the compiled step, so it is a CUDA-graph output
@@ -112,7 +122,7 @@ class DecodeConfig:
     def to_dict(self) -> dict:
         """The settings as a dict; ``cache`` only when one is used and the credit / soft fields only for their policy,
         so other settings read as before those existed (run identities and trajectory ``decode_settings`` written
-        earlier still match); never ``compile``."""
+        earlier still match); never ``compile`` or ``storage``."""
         d = dataclasses.asdict(self)
         if d["cache"] == "none":
             del d["cache"]
@@ -120,6 +130,7 @@ class DecodeConfig:
             if name not in settings_of(self.policy):
                 del d[name]
         del d["compile"]  # how the same computation runs, not what it computes (tokens equal eager's)
+        del d["storage"]  # likewise: where the state lives (tokens, NFE and reveal steps equal the dynamic plan's)
         return d
 
 
@@ -402,6 +413,9 @@ def decode(
                             f"per request); allowed caches with it: none, prefix")  # fmt: skip
     device = next(backbone.parameters()).device
     spec = check_compile(cfg.compile, device)
+    if cfg.storage == "static" and cfg.policy == "tdlm" and model.policy.recurrent:
+        raise TDLMError(f"storage='static' does not cover history {model.policy}: its latents are replaced, not "
+                        f"written in place, at each evaluation; use storage='dynamic'")  # fmt: skip
     if spec is not None and cfg.policy == "tdlm" and model.policy.recurrent:
         raise TDLMError(f"compile={cfg.compile!r} does not cover history {model.policy} (a recurrent latent "
                         f"memory); decode it with compile=False")  # fmt: skip
@@ -442,7 +456,10 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     blk_host = [0] * B  # each active row's active block (all masked at the start: block 0)
     kv_host = [-1] * B  # the block each active row's spatial KV cache holds
     left = [G] * B  # masked response positions of each active row (progress)
-    cache = model.new_cache(B, length=G) if cfg.policy == "tdlm" else None
+    # The static plan keeps finished rows in the batch (masked: nothing left to commit, no NFE counted), so every
+    # tensor a step reads keeps its shape and the history its addresses until the batch ends.
+    static = cfg.storage == "static"
+    cache = model.new_cache(B, length=G, static=static) if cfg.policy == "tdlm" else None
     # per active row, for the history's front under the dual cache (window_front): its block at the last
     # compaction and that block's masked positions then (before any, storage column p holds position p)
     comp_blk, comp_in = [0] * B, [min(bs, G)] * B
@@ -468,6 +485,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
 
         bar = tqdm(total=B * G, desc=f"decode[{cfg.policy}]", unit="tok", leave=False)
     excluded = 0.0  # wall seconds of evaluations that compiled a graph
+    finished: set[int] = set()  # rows done (the static plan keeps them in the batch)
     _sync(device)
     t0 = time.perf_counter()
     while rows_host:
@@ -477,7 +495,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         a_mask = am[active] if padded else None
         if record_states:
             for r, row in zip(rows_host, x[:, P:].tolist(), strict=True):
-                states[r].append(row)
+                if not (static and r in finished):
+                    states[r].append(row)
         resp = x[:, P:]  # (b, G)
         masked = resp == mask_id
         blk = pos_block[masked.int().argmax(1)]  # the first masked position gives the active block (b,)
@@ -506,7 +525,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
                     for r, step in groups]  # fmt: skip
         blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
-        nfe[active] += 1
+        nfe[active] += masked.any(1) if static else 1  # a finished row that stays evaluates nothing of its own
         logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
         conf, x0 = logp.max(-1)
         conf = conf.exp()  # float64 probability of the greedy token
@@ -546,7 +565,14 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         if bar is not None:
             bar.update(sum(left) - sum(left_l))
         left, blk_host = left_l, next_l
-        if any(done_l):
+        if static:  # rows stay in place; the batch ends when every row is done
+            for r, d in zip(rows_host, done_l, strict=True):
+                if d and r not in finished:
+                    seconds[r] = now - t0 - excluded
+                    finished.add(r)
+            if len(finished) == B:
+                rows_host = []
+        elif any(done_l):
             for r, d in zip(rows_host, done_l, strict=True):
                 if d:
                     seconds[r] = now - t0 - excluded

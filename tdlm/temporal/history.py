@@ -179,6 +179,9 @@ class TemporalCache:
     # holds the position of a dual window's row (logit shift - alignment offset) + w.
     suffix: bool = False
     front_aligned: bool = False
+    # The static storage plan (:meth:`allocate` with ``static=True``): every tensor at its final size and a fixed
+    # address for the whole decode, written in place only (no bucket growth, no compaction, rows stay).
+    static: bool = False
 
     def check(self, batch_size: int, prompt_len: int, length: int) -> None:
         if batch_size != self.batch_size:
@@ -200,16 +203,25 @@ class TemporalCache:
         return self.policy.k if self.policy.kind == "last" else self.max_capacity
 
     def allocate(self, layers, length: int, heads: int, head_dim: int, dtype: torch.dtype, device,
-                 capacity: int | None = None) -> None:  # fmt: skip
+                 capacity: int | None = None, static: bool = False) -> None:  # fmt: skip
         """Allocate zeroed storage for ``layers`` at once, the first bucket (:func:`slot_bucket`) of a history of
-        at most ``capacity`` entries (``full``; None: unbounded) or k (``last:k``)."""
+        at most ``capacity`` entries (``full``; None: unbounded) or k (``last:k``).
+
+        ``static``: the final size at once, C = min(k or ``capacity``, ``length``) slots (an evaluation writes a
+        position at most once and reveals at least one of the ``length`` positions, so no position is written more
+        than ``length`` times and only ``last:k``'s ring of k wraps), each tensor marked with
+        ``torch._dynamo.mark_static_address``: what CUDA-graph trees need to replay a step that writes it in place."""
         if not self.policy.uses_cache:
             return
         if self.policy.kind == "full":
             if capacity is not None and capacity < 1:
                 raise TDLMError(f"history {self.policy} needs a capacity >= 1 (the most evaluations); got {capacity}")
+            if static and capacity is None:
+                raise TDLMError(f"a static history {self.policy} needs a capacity (the most evaluations); got None")
             self.max_capacity = capacity
         B, C = self.batch_size, slot_bucket(1, self._most())
+        if static:
+            C = min(self._most(), length)
         self.capacity, self.length = C, length
         self.count = torch.zeros((B, length), dtype=torch.long, device=device)
         self.cols = torch.arange(length, device=device).expand(B, length).contiguous()
@@ -218,7 +230,32 @@ class TemporalCache:
         for layer in layers:
             self.layers[layer] = LayerHistory(
                 torch.zeros((B, length, 2, heads, 1 + C, head_dim), dtype=dtype, device=device))
-        self._slots_dynamic()
+        self.static = static
+        if not static:
+            self._slots_dynamic()
+            return
+        for t in self._tensors():
+            torch._dynamo.mark_static_address(t)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor the history holds: what a step reads and writes."""
+        return [t for t in (self.count, self.valid, self.cols, *(lh.kv for lh in self.layers.values()))
+                if t is not None]
+
+    def reset(self) -> None:
+        """Empty a static history in place for the next decode of its batch size: the same tensors at the same
+        addresses, as :meth:`allocate` left them (zero entries and counts, only the sink valid, column w holding
+        position w)."""
+        if not self.static:
+            raise TDLMError("reset() empties a static history in place; a dynamic one is made anew per decode")
+        self.count.zero_()
+        self.valid.zero_()
+        self.valid[:, :, 0] = True
+        self.cols.copy_(torch.arange(self.cols.shape[1], device=self.cols.device).expand_as(self.cols))
+        for lh in self.layers.values():
+            lh.kv.zero_()
+        self.steps, self.prompt_len = 0, None
+        self.front, self.suffix, self.front_aligned = None, False, False
 
     def _slots_dynamic(self) -> None:
         """Tell torch.compile that the slot count varies (the buckets), so one graph per step kind serves all of
@@ -232,8 +269,9 @@ class TemporalCache:
 
     def reserve(self, evaluations: int) -> None:
         """Host side, before an evaluation: grow the storage to the bucket that holds ``evaluations`` entries
-        per position (at most ``max_capacity``, or k). The only copy of the history, once per bucket."""
-        if not self.layers:
+        per position (at most ``max_capacity``, or k). The only copy of the history, once per bucket. A static
+        history has its final size already."""
+        if not self.layers or self.static:
             return
         want = slot_bucket(evaluations, self._most())
         if want <= self.capacity:
@@ -257,8 +295,8 @@ class TemporalCache:
         are empty (position N, no valid entry). Nothing is done unless that is fewer columns than now. A dropped
         position was revealed: it is never masked again, so Eq. 2 never corrects it and its entries are never
         read (A_{p,i,j} = 0) or written again. Returns whether it compacted. One gather of the storage, at most
-        N / 8 times per decode."""
-        if not self.layers or self.cols is None:
+        N / 8 times per decode. A static history keeps its columns (a gather would move the storage)."""
+        if not self.layers or self.cols is None or self.static:
             return False
         N, W = self.length, self.width
         width = column_bucket(most, N)
@@ -386,6 +424,8 @@ class TemporalCache:
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
+        if self.static:
+            raise TDLMError("a static history keeps every row in place until the batch ends; select() would move it")
         index = index.to(torch.long)
         for lh in self.layers.values():
             if lh.kv is not None:

@@ -36,39 +36,43 @@ u <- u + Perceiver(u, [h_{l,p}(S_i)]). Choices:
 Masked positions m_{i,p} are the response positions p >= prompt_len holding the mask token; r_i is
 the number of revealed response tokens. Batches are left-padded (prompts of different lengths end at
 the same index ``prompt_len``), so the response region is the same slice for every row.
+
+This module is the operator. Where the step-wise history lives and which storage column a row reads and writes
+are the storage plans of :mod:`tdlm.temporal.storage`; the adapter's files are :mod:`tdlm.temporal.adapter_files`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone, ForwardContext
 from tdlm.models.kv_cache import KVStep
-from tdlm.temporal.adapter_files import (
-    ADAPTER_CONFIG,
-    ADAPTER_FORMAT_VERSION,
-    ADAPTER_WEIGHTS,
-    adapter_config_path,
-    resolve_adapter,
-)
-from tdlm.temporal.attention import (
-    TemporalAttention,
-    fuse_qkv_keys,
-    resolve_layers,
-    temporal_parameter_count,
-)
+from tdlm.temporal import adapter_files
+from tdlm.temporal.adapter_files import check_history_switch, resolve_adapter
+from tdlm.temporal.attention import TemporalAttention, resolve_layers, temporal_parameter_count
 from tdlm.temporal.history import HistoryPolicy, LatentCache, TemporalCache
-from tdlm.temporal.perceiver import NORM_EPS, SOFTCAP, LatentMemory, perceiver_parameter_count
+from tdlm.temporal.perceiver import LatentMemory, perceiver_parameter_count
+from tdlm.temporal.storage import (
+    StaticHistories,
+    allowed_slots,
+    group_columns,
+    history_bytes,
+    layer_history,
+    make_cache,
+    masked_by_column,
+    merge_rows,
+    scatter_window_latents,
+    window_slots,
+    write_entries,
+)
 
 ALIGNMENTS = ("prediction", "input")
 
@@ -132,44 +136,6 @@ class StepGroup:
     rows: torch.Tensor | None = None  # indices of these rows in the cache's batch; None = all, in order
 
 
-def _merge_rows(parts: list[tuple[torch.Tensor | None, torch.Tensor]], B: int) -> torch.Tensor:
-    """Tensors (b_g, ...) of row groups -> (B, ...); a single group of all rows is returned as is."""
-    if len(parts) == 1 and parts[0][0] is None:
-        return parts[0][1]
-    first = parts[0][1]
-    out = first.new_empty((B, *first.shape[1:]))
-    for rows, t in parts:
-        out[rows] = t
-    return out
-
-
-def _history_rows(t: torch.Tensor, rows: torch.Tensor | None, j: torch.Tensor | None) -> torch.Tensor:
-    """History t (B, N, ...) of ``rows`` (None: all) at response positions ``j`` (b, W) (None: all N); the whole
-    storage itself (no copy) when both are None."""
-    if j is None:
-        return t if rows is None else t[rows]
-    ri = torch.arange(j.shape[0], device=j.device) if rows is None else rows
-    return t[ri[:, None], j]  # (b, W, ...)
-
-
-def _merge_entries(parts: list, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This evaluation's entry of one layer, (B, n, 2, M, dh) keys/values and (B, n) validity by storage column,
-    from the groups' parts (rows, target, kv, valid): ``target`` (b, w) the storage column of each of the part's
-    entries (N, the cache's width: none), or None for columns 0.. in order. One part of all rows in order is
-    returned as is, so n < N after a window step over the cache's front; otherwise n = N, and columns no part
-    computed stay invalid (zero keys/values)."""
-    if len(parts) == 1 and parts[0][0] is None and parts[0][1] is None:
-        return parts[0][2], parts[0][3]
-    k0 = parts[0][2]
-    KV = k0.new_zeros((B, N + 1, *k0.shape[2:]))  # column N: where window rows outside the response land
-    valid = torch.zeros((B, N + 1), dtype=torch.bool, device=k0.device)
-    for rows, target, kv, m in parts:
-        ri = (torch.arange(kv.shape[0], device=kv.device) if rows is None else rows)[:, None]
-        cols = torch.arange(kv.shape[1], device=kv.device)[None] if target is None else target
-        KV[ri, cols], valid[ri, cols] = kv, m
-    return KV[:, :N], valid[:, :N]
-
-
 class TDLM(nn.Module):
     """Frozen backbone + temporal modules; only the temporal modules are trainable."""
 
@@ -205,6 +171,7 @@ class TDLM(nn.Module):
                 )
         self.temporal.to(device=param.device, dtype=param.dtype if param.dtype.is_floating_point else torch.float32)
         self.activation_checkpointing = False
+        self.static_histories = StaticHistories()  # the static storage plan's histories, reused across decodes
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @property
@@ -239,16 +206,20 @@ class TDLM(nn.Module):
     def set_history(self, history: str | HistoryPolicy) -> None:
         """Change the inference-time history restriction (Table 2) of a fixed checkpoint."""
         policy = HistoryPolicy.parse(history)
-        _check_history_switch(self.policy, self.num_latents, policy)
+        check_history_switch(self.policy, self.num_latents, policy)
         self.policy = policy
         self.config = dataclasses.replace(self.config, history=str(self.policy))
 
-    def new_cache(self, batch_size: int, length: int | None = None) -> TemporalCache:
+    def new_cache(self, batch_size: int, length: int | None = None, static: bool = False) -> TemporalCache:
         """A temporal cache for one request batch. ``length`` (the response positions N) preallocates an
         entry-based history at once, C = N slots for ``full`` (decoding reveals at least one token per
-        evaluation, so N evaluations at most) and k for ``last:k``: the static storage a compiled step needs."""
-        cls = LatentCache if self.policy.recurrent else TemporalCache
-        cache = cls(batch_size=batch_size, policy=self.policy)
+        evaluation, so N evaluations at most) and k for ``last:k``: the static storage a compiled step needs.
+
+        ``static`` (needs ``length``): the static storage plan, the history at its final size at fixed addresses
+        and the same tensors in every decode of this batch size (:class:`tdlm.temporal.storage.StaticHistories`)."""
+        if static and self.policy.uses_cache:
+            return self.static_histories.history(self, batch_size, length)
+        cache = make_cache(self.policy, batch_size)
         if length is not None and not self.policy.recurrent:
             self._allocate(cache, length, capacity=length)
         return cache
@@ -259,25 +230,11 @@ class TDLM(nn.Module):
                        capacity=capacity)  # fmt: skip
 
     def temporal_cache_bytes(self, batch_size: int, length: int, steps: int) -> int:
-        """``cache.nbytes()`` after ``steps`` evaluations of ``length`` response positions.
-
-        Entry-based policies store, per layer, the sink's zero slot and C entry slots of key + value (2 d_t
-        each), plus per position one validity flag per slot (shared by the layers), an int64 write count and the
-        int64 position of its storage column;
-        C = max(8, 2^ceil(log2 steps)) for ``full`` (storage doubles), the same capped at k for ``last:k``;
-        ``current`` stores nothing. ``latent:M`` stores M d per position and layer, whatever ``steps`` is.
-        (A cache made with ``new_cache(B, length)`` caps ``full``'s C at ``length``.)
-        """
-        if steps <= 0 or not self.policy.uses_cache:
-            return 0
-        es = next(self.temporal.parameters()).element_size()
-        B, N, L_t = batch_size, length, len(self.layer_ids)
-        if self.policy.recurrent:  # latents + alive flags (B, N) + r_last (B,) int64
-            return L_t * B * N * self.num_latents * self.backbone.hidden_size * es + B * N + B * 8
-        d_t = self.config.heads * self.config.head_dim
-        cap = max(8, 1 << (steps - 1).bit_length())
-        cap = min(cap, self.policy.k) if self.policy.kind == "last" else cap
-        return L_t * B * N * 2 * (1 + cap) * d_t * es + B * N * (1 + cap) + 2 * B * N * 8
+        """``cache.nbytes()`` after ``steps`` evaluations of ``length`` response positions
+        (:func:`tdlm.temporal.storage.history_bytes`)."""
+        return history_bytes(self.policy, batch_size, length, steps, len(self.layer_ids), self.config.heads,
+                             self.config.head_dim, self.backbone.hidden_size, self.num_latents,
+                             next(self.temporal.parameters()).element_size())  # fmt: skip
 
     # -- shared pieces -------------------------------------------------------------------------
     def _masked(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -432,7 +389,7 @@ class TDLM(nn.Module):
         B = sum(g.input_ids.shape[0] for g in groups)
         cache.check(B, prompt_len, L - prompt_len)
         if self.policy.recurrent:
-            masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
+            masked = merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
             if not isinstance(cache, LatentCache):
                 raise TDLMError(f"history {self.policy} needs a latent cache; create it with model.new_cache(B)")
             if any(g.kv is not None and not g.kv.refresh and g.kv.cache.mode == "dual" for g in groups):
@@ -454,81 +411,28 @@ class TDLM(nn.Module):
         changes from step to step, so ``torch.compile(TDLM.evaluate_groups, fullgraph=True)`` traces it
         once per step kind (:mod:`tdlm.decoding.loop`). ``written_out``: the temporal attention's form for
         inductor (:func:`tdlm.temporal.attention.step_attention`)."""
-        L = groups[0].input_ids.shape[1]
-        B, N = sum(g.input_ids.shape[0] for g in groups), L - prompt_len
-        masked = _merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
-        if cache.cols is not None:  # by storage column: the position each holds (none: not masked)
-            masked = masked.gather(1, cache.cols.clamp(max=N - 1)) & (cache.cols < N)
+        B = sum(g.input_ids.shape[0] for g in groups)
+        masked = merge_rows([(g.rows, self._masked(g.input_ids, prompt_len)) for g in groups], B)
         pending: dict[int, list] = {}
         logits = [self._entry_group(g, prompt_len, cache, pending, written_out) for g in groups]
-        written, slot = None, None
-        for layer, parts in pending.items():
-            kv, written = _merge_entries(parts, B, cache.width)
-            slot = cache.slots(written) if slot is None else slot  # the same columns at every layer
-            cache.append(layer, kv, written, slot)
-        cache.commit(masked, written, slot)
+        write_entries(cache, pending, masked_by_column(masked, cache))  # the storage column each position holds
         return logits
-
-    def _slots(self, kv: KVStep | None, prompt_len: int, L: int, cache: TemporalCache | None = None,
-               rows: torch.Tensor | None = None):  # fmt: skip
-        """For a window step: (j, inside, dump, col) (b, W_win) - the response position j each window row stands
-        for, whether it is one and has a storage column, the scatter target (its column; the cache's width W
-        for the others, dropped afterwards) and its column clamped to a valid index. None otherwise."""
-        if kv is None or kv.refresh:
-            return None
-        N = L - prompt_len
-        j = kv.positions() + self.offset - prompt_len
-        inside = (j >= 0) & (j < N)
-        j = j.clamp(0, N - 1)
-        if cache is None or cache.cols is None:
-            return j, inside, torch.where(inside, j, N), j
-        col = cache.held(j, rows)
-        inside = inside & (col < cache.width)
-        return j, inside, torch.where(inside, col, cache.width), col.clamp(max=cache.width - 1)
 
     def _entry_group(self, g: StepGroup, prompt_len: int, cache: TemporalCache, pending: dict,
                      written_out: bool = False) -> torch.Tensor:  # fmt: skip
         """One group's forward under an entry-based history; its entries go to ``pending`` (appended later)."""
         masked = self._masked(g.input_ids, prompt_len)  # (b, N)
-        N = masked.shape[1]
         r = (~masked).sum(-1)  # (b,)
-        window = g.kv is not None and not g.kv.refresh
-        front = cache.front if window and self.policy.kind != "current" else None
-        slots = None if front is not None else self._slots(g.kv, prompt_len, g.input_ids.shape[1], cache, g.rows)
-        # Full forwards compute every storage column's position: pos (b, W) (None: the cache has no columns,
-        # history `current`: all N positions in order). A window step over the cache's front computes its first
-        # w columns: pos (b, w) then indexes the window's rows. Otherwise a window step computes its own rows
-        # (slots) and looks their columns up.
-        cols = None if cache.cols is None or slots is not None else _history_rows(cache.cols, g.rows, None)
-        pos = None if cols is None else cols.clamp(max=N - 1)
-        target = None  # where this group's entries go: None = the columns 0.. in order
-        narrow = front is not None
-        if narrow:
-            cols = _history_rows(front, g.rows, None)  # (b, w) positions of the first w columns
-            row = cols - (g.kv.start + self.offset - prompt_len)[:, None]  # their window rows
-            m = (row >= 0) & (row < g.kv.width) & (cols < N)  # in the window: computed
-            m = m & masked.gather(1, cols.clamp(max=N - 1))  # masked and computed
-            pos = row.clamp(0, g.kv.width - 1)
-        elif slots is not None:
-            m = slots[1] & masked.gather(1, slots[0])  # masked and computed
-            target = slots[2]
-        else:
-            m = masked if cols is None else masked.gather(1, pos) & (cols < N)
+        # which storage column each temporal row stands for: a full forward, a window step over the cache's front
+        # (narrow: its first w columns) or one that looks its window rows' columns up (tdlm/temporal/storage.py)
+        plan = group_columns(cache, g.rows, g.kv, masked, prompt_len, g.input_ids.shape[1], self.offset)
+        m, pos, in_order, narrow = plan.m, plan.pos, plan.in_order, plan.w is not None
         mcol = m.unsqueeze(-1)
-        j = None if slots is None else slots[3]  # the window rows' storage columns
-        w = None if not narrow else cols.shape[1]
-        # The loop's host promises (TemporalCache.claim_rows / set_front(aligned=True)): the columns are rows of h
-        # in order, so each temporal layer reads a slice of h and corrects it in place (no gather / scatter-add).
-        if narrow:
-            in_order = cache.front_aligned and g.kv.cache.mode == "dual"
-        else:
-            in_order = slots is None and pos is not None and cache.suffix
         shift = self.backbone.logit_shift - self.offset  # window row of the front's column 0 (in_order, narrow)
         allowed = None  # (b, W or w or W_win, 1 + C): valid and masked-and-computed, or the sink; shared by the layers
         biases = None  # (L_t, b, ..., 1 + C): every temporal layer's additive mask, built once per evaluation
         if self.policy.kind != "current" and cache.valid is not None:
-            valid = cache.valid[:, :w] if narrow else cache.valid
-            allowed = _history_rows(valid, g.rows, j) & (mcol | cache.sink_column())
+            allowed = allowed_slots(cache, g.rows, plan)
             biases = TemporalAttention.step_biases([self.temporal[str(i)] for i in self.layer_ids], allowed)
         order = {layer: k for k, layer in enumerate(self.layer_ids)}
         tables: dict = {}  # this evaluation's temporal RoPE tables, computed at the first temporal layer
@@ -541,7 +445,7 @@ class TDLM(nn.Module):
                 b = shift + pos.shape[1] if narrow else self._slice(h, prompt_len)[1]
                 a = b - pos.shape[1]
                 hr = h[:, a:b]  # (b, w or W, d), a view
-            elif slots is None:
+            elif plan.j is None:
                 a, b = (0, h.shape[1]) if narrow else self._slice(h, prompt_len)
                 hr = h[:, a:b]  # (b, N, d), or the window (b, W_win, d)
                 if pos is not None:  # at the storage columns' positions, (b, W or w, d)
@@ -553,15 +457,12 @@ class TDLM(nn.Module):
             if self.policy.kind == "current":
                 z, _ = mod.step(hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
             else:
-                vis = cache.visible(layer)
-                # the storage itself or its first w columns, a view (no copy), unless a row group or a window
-                # without a front gathers its rows
-                store = None if vis is None else (vis[0][:, :w] if narrow else vis[0])
-                history = None if vis is None else (_history_rows(store, g.rows, j), allowed)
+                store = layer_history(cache, layer, g.rows, plan)  # a view of the storage unless rows are gathered
+                history = None if store is None else (store, allowed)
                 bias = None if biases is None else biases[order[layer]]
                 # Eq. 7-9: 1 matmul, rope, SDPA
                 z, kv = mod.step(hr, r, history, rope=tables["rope"], bias=bias, written_out=written_out)
-                pending.setdefault(layer, []).append((g.rows, target, kv, m))
+                pending.setdefault(layer, []).append((g.rows, plan.target, kv, m))
                 if z is None:
                     return h
             if pos is not None and not in_order:  # Eq. 10 + Eq. 2 added at the columns' positions (z = 0 where m = 0)
@@ -581,7 +482,7 @@ class TDLM(nn.Module):
         r_all = cache.progress(masked.device)  # (B,)
         lat_out: dict[int, list] = {}
         logits = [self._latent_group(g, prompt_len, lat_in, r_all, lat_out) for g in groups]
-        cache.write({layer: _merge_rows(parts, B) for layer, parts in lat_out.items()})
+        cache.write({layer: merge_rows(parts, B) for layer, parts in lat_out.items()})
         cache.commit(masked)
         return logits
 
@@ -594,7 +495,7 @@ class TDLM(nn.Module):
         masked = self._masked(input_ids, prompt_len)
         r = (~masked).sum(-1)
         r_lat = (r_all if g.rows is None else r_all[g.rows])[:, None, None]  # (b, 1, 1) -> over (N, M)
-        slots = self._slots(g.kv, prompt_len, L)
+        slots = window_slots(g.kv, prompt_len, L, self.offset)
         m = masked if slots is None else slots[1] & masked.gather(1, slots[0])  # masked and computed
         mcol = m.unsqueeze(-1)
         ar = torch.arange(Bg, device=input_ids.device)[:, None]
@@ -618,7 +519,7 @@ class TDLM(nn.Module):
             z = mod.latent(hr, r, lat_w, r_lat)  # (b, N or W, d_t)
             new = mod.memory.update(lat_w, hr, m)  # u + Perceiver(u, [h]) where masked (and computed)
             if slots is not None:  # write the window's latents back; other positions keep theirs
-                new = torch.cat([lat, lat[:, :1]], 1).index_put((ar, slots[2]), new)[:, :N]
+                new = scatter_window_latents(lat, new, slots)
             lat_out.setdefault(layer, []).append((g.rows, new))
             return mod.correct(h, a, b, z, mcol)  # Eq. 10 + Eq. 2 (after the update, which read h uncorrected)
 
@@ -629,50 +530,17 @@ class TDLM(nn.Module):
             return self.forward_states(input_ids, prompt_len, **kw)
         return self.forward_step(input_ids, prompt_len, cache, **kw)
 
-    # -- adapter I/O ---------------------------------------------------------------------------
+    # -- adapter files (tdlm/temporal/adapter_files.py) ----------------------------------------------
     def adapter_config(self) -> dict:
-        bb = self.backbone
-        return {
-            "format_version": ADAPTER_FORMAT_VERSION,
-            "backbone": {
-                "id": bb.backbone_id,
-                "family": bb.family,
-                "hidden_size": bb.hidden_size,
-                "num_layers": bb.num_layers,
-                "vocab_size": bb.vocab_size,
-                "fingerprint": backbone_identity(bb),
-            },
-            "layers": list(self.layer_ids),
-            "heads": self.config.heads,
-            "head_dim": self.config.head_dim,
-            "history": str(self.policy),
-            "rope_base": self.config.rope_base,
-            "alignment": self.config.alignment,
-            "num_parameters": self.num_temporal_parameters(),
-            **({"perceiver": self._perceiver_config()} if self.num_latents else {}),
-            # the run that trained it (recipe, teacher, run folder, W&B run), kept through load and save
-            **({"training": self.training_record} if getattr(self, "training_record", None) else {}),
-        }
-
-    def _perceiver_config(self) -> dict:
-        return {
-            "num_latents": self.num_latents,
-            "heads": self.config.perceiver_heads,
-            "head_dim": self.config.perceiver_head_dim,
-            "norm_eps": NORM_EPS,
-            "softcap": SOFTCAP,
-        }
+        """The ``tdlm_adapter.json`` record: temporal layout, history, alignment, the backbone it is attached to."""
+        return adapter_files.adapter_config(self)
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"temporal.{k}": v.detach().cpu().contiguous() for k, v in self.temporal.state_dict().items()}
+        return adapter_files.adapter_state_dict(self)
 
     def save_adapter(self, directory: str | os.PathLike) -> Path:
         """Write ``adapter.safetensors`` + ``tdlm_adapter.json`` (no backbone weights)."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(self.adapter_state_dict(), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (out / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config(), indent=2) + "\n")
-        return out
+        return adapter_files.save_adapter(self, directory)
 
     @classmethod
     def from_adapter(
@@ -688,75 +556,9 @@ class TDLM(nn.Module):
         another backbone of the same shape (a Base adapter on an Instruct model) is refused unless
         ``allow_other_backbone``.
         """
-        d = Path(directory)
-        cfg_path, w_path = adapter_config_path(d), d / ADAPTER_WEIGHTS
-        if not w_path.exists():
-            raise TDLMError(f"{d}: missing {w_path.name} (expected a folder written by TDLM.save_adapter)")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
-        if raw.get("format_version") != ADAPTER_FORMAT_VERSION:
-            raise TDLMError(
-                f"{cfg_path}: format_version={raw.get('format_version')!r}; this tdlm reads version "
-                f"{ADAPTER_FORMAT_VERSION}"
-            )
-        bb = raw.get("backbone", {})
-        for field, have in (("hidden_size", backbone.hidden_size), ("num_layers", backbone.num_layers)):
-            if bb.get(field) != have:
-                raise TDLMError(
-                    f"{cfg_path}: adapter was trained for backbone.{field}={bb.get(field)} "
-                    f"({bb.get('id')}); this backbone has {field}={have} ({backbone.backbone_id})"
-                )
-        if not allow_other_backbone:
-            have = {"family": backbone.family, "vocab_size": backbone.vocab_size,
-                    "fingerprint": backbone_identity(backbone)}
-            differ = [f"{k}={bb[k]!r} (this backbone: {v!r})" for k, v in have.items()
-                      if bb.get(k) is not None and v is not None and bb[k] != v]
-            if differ:
-                raise TDLMError(
-                    f"{cfg_path}: adapter was trained on backbone {bb.get('id')!r}, not this one "
-                    f"({backbone.backbone_id!r}): {'; '.join(differ)}; attach it anyway with "
-                    f"allow_other_backbone=True (--allow-other-backbone)"
-                )
-        trained = HistoryPolicy.parse(raw.get("history", "full"))
-        perceiver = raw.get("perceiver") or {}
-        if trained.recurrent != bool(perceiver) or perceiver.get("num_latents", 0) != trained.num_latents:
-            raise TDLMError(
-                f"{cfg_path}: history={str(trained)!r} and perceiver={raw.get('perceiver')!r} disagree "
-                f"(latent:M needs perceiver.num_latents = M; other policies have no perceiver)"
-            )
-        for key, have in (("norm_eps", NORM_EPS), ("softcap", SOFTCAP)):
-            if key in perceiver and perceiver[key] != have:
-                raise TDLMError(f"{cfg_path}: perceiver.{key}={perceiver[key]!r}; this tdlm implements {have}")
-        requested = HistoryPolicy.parse(history) if history else trained
-        _check_history_switch(trained, trained.num_latents, requested, where=f"{d}: ")
-        config = TemporalConfig(
-            layers=list(raw["layers"]),
-            heads=int(raw["heads"]),
-            head_dim=int(raw["head_dim"]),
-            history=str(requested),
-            rope_base=float(raw.get("rope_base", 10000.0)),
-            # Adapters written before the field existed were trained input-aligned.
-            alignment=str(raw.get("alignment", "input")),
-            perceiver_heads=int(perceiver["heads"]) if perceiver else None,
-            perceiver_head_dim=int(perceiver["head_dim"]) if perceiver else None,
-        )
-        model = cls(backbone, config)
-        state = fuse_qkv_keys(load_file(str(w_path)))  # adapters written before the fused W_QKV: separate keys
-        expected = model.adapter_state_dict()
-        if set(state) != set(expected):
-            extra, missing = sorted(set(state) - set(expected)), sorted(set(expected) - set(state))
-            raise TDLMError(f"{w_path}: tensors do not match {cfg_path.name} (missing {missing}, extra {extra})")
-        for k, t in state.items():
-            if t.shape != expected[k].shape:
-                raise TDLMError(
-                    f"{w_path}: tensor {k} has shape {tuple(t.shape)} but heads={config.heads} x "
-                    f"head_dim={config.head_dim} on hidden_size={backbone.hidden_size} needs "
-                    f"{tuple(expected[k].shape)}"
-                )
-        model.temporal.load_state_dict({k.removeprefix("temporal."): v for k, v in state.items()})
-        model.training_record = raw.get("training")
+        files = adapter_files.read_adapter(backbone, directory, history, allow_other_backbone)
+        model = cls(backbone, TemporalConfig(**files.config))
+        adapter_files.load_adapter_weights(model, files)
         return model
 
     # -- Hugging Face Hub ---------------------------------------------------------------------------
@@ -775,34 +577,3 @@ class TDLM(nn.Module):
         bb = load_backbone(backbone, dtype=dtype, device=device) if isinstance(backbone, str) else backbone
         model = cls.from_adapter(bb, folder, history=history, allow_other_backbone=allow_other_backbone)
         return model.to(next(bb.parameters()).device).eval()
-
-
-def backbone_identity(backbone: Backbone) -> str | None:
-    """The backbone's weight fingerprint (set by the loaders; computed for a backbone built in code)."""
-    if backbone.weight_fingerprint is not None:
-        return backbone.weight_fingerprint
-    params = list(backbone.parameters())
-    if not params or any(p.is_meta or p.numel() == 0 for p in params):  # meta or ZeRO-3 partitioned
-        return None
-    from tdlm.models.fingerprints import weight_fingerprint_module
-
-    return weight_fingerprint_module(backbone)
-
-
-def _check_history_switch(current: HistoryPolicy, num_latents: int, new: HistoryPolicy, where: str = "") -> None:
-    """Refuse history changes the temporal weights were not built for (latent <-> entries, other M)."""
-    if new.recurrent and num_latents == 0:
-        raise TDLMError(
-            f"{where}history {str(new)!r} needs perceiver weights, but this adapter was built with history "
-            f"{str(current)!r}; build TDLM with TemporalConfig(history={str(new)!r}) and train it"
-        )
-    if new.recurrent and new.num_latents != num_latents:
-        raise TDLMError(
-            f"{where}this adapter has {num_latents} learned latents per layer; history {str(new)!r} needs "
-            f"{new.num_latents}"
-        )
-    if not new.recurrent and num_latents:
-        raise TDLMError(
-            f"{where}this adapter was trained with history 'latent:{num_latents}' (its keys read latents); "
-            f"history {str(new)!r} would feed them raw entries"
-        )
