@@ -852,6 +852,30 @@ def decode_memory(name: str, depth: int | None, budget: float, reserve: float) -
                                          "fits": check + reserve <= budget}}  # fmt: skip
 
 
+def static_history(name: str, depth: int | None) -> dict:
+    """The static storage plan's temporal history (``DecodeConfig.storage="static"``, tdlm/temporal/storage.py) for a
+    256-token response, ``full`` and ``last:32``: its bytes per row by the formula the code states
+    (``TDLM.temporal_cache_bytes(1, G, G)``, :func:`tdlm.temporal.storage.history_bytes`) beside the bytes of the
+    history ``TDLM.static_histories`` allocates (fake tensors: shapes and dtypes, no storage) at batch 1 and 8. Held
+    from the first evaluation for as long as the model lives (one per batch size), where the dynamic plan grows its
+    buckets as the decode goes (``decode_memory``: its size at the last step)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _tdlm_at(name, mode, "full", depth)
+    G = DECODE["gen"]
+    rows = []
+    for history in ("full", "last:32"):
+        model.set_history(history)
+        with mode:
+            allocated = {b: model.static_histories.history(model, b, G).nbytes() for b in (1, 8)}
+        per_row = model.temporal_cache_bytes(1, G, G)
+        rows.append({"history": history, "gen": G, "temporal_layers": len(model.layer_ids),
+                     "d_t": model.config.heads * model.config.head_dim,
+                     "dtype": str(next(model.temporal.parameters()).dtype), "per_row_bytes": per_row,
+                     "allocated_bytes": {str(b): n for b, n in allocated.items()},
+                     "formula_matches": all(n == b * per_row for b, n in allocated.items())})  # fmt: skip
+    return {"rows": rows}
+
+
 GPU_CHECK = {"prompt": 256, "gen": 64, "block": 32}  # bench/gpu_check.py's nfe stage
 
 
@@ -910,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch-us", type=float, default=LAUNCH_US, help="µs per kernel launch without CUDA graphs")
     ap.add_argument("--kernels", default=str(KERNELS_JSON),
                     help="bench/dispatch_count.py JSON whose compiled kernel counts set the launch term")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: train, memory, nfe, gpu_check")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: train, memory, static, nfe, gpu_check")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="combine the sections of earlier runs' JSON files (later files win) into --out and reprint "
                          "the table; nothing is traced")  # fmt: skip
@@ -963,6 +987,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  generation (backbone, no cache): {g['per_row_bytes'] / 2**20:.1f} MiB per row -> largest batch "
                   f"in 141 GB with 2 GiB reserve: {g['max_batch']} (traced there: {g['peak_at_max_batch'] / GiB:.1f} "
                   f"GiB, fits {g['fits']})")  # fmt: skip
+    if "static" not in skip:
+        result["static_history"] = {}
+        for name in models:
+            st = static_history(name, depth)
+            result["static_history"][name] = st
+            print(f"\nstatic storage plan, {name}: temporal history per row, {DECODE['gen']}-token response (GiB):")
+            for r in st["rows"]:
+                print(f"  {r['history']:8s} {r['temporal_layers']} layers: {r['per_row_bytes'] / GiB:.3f} "
+                      f"(allocated at batch 8: {r['allocated_bytes']['8'] / GiB:.3f}; formula matches "
+                      f"{r['formula_matches']})")  # fmt: skip
     if "nfe" not in skip:
         kernels = compiled_kernels(args.kernels)
         evals_per_block = PAPER["nfe"] / (DECODE["gen"] / DECODE["block"])
@@ -998,7 +1032,7 @@ def merge(paths: list[str], out: str) -> int:
     result: dict = {"parts": []}
     for p in paths:
         part = json.loads(Path(p).read_text())
-        sections = [k for k in ("train", "decode_memory", "nfe", "gpu_check") if k in part]
+        sections = [k for k in ("train", "decode_memory", "static_history", "nfe", "gpu_check") if k in part]
         mine = {"file": str(p), "machine": part["machine"], "quick": part["quick"], "sections": sections}
         # a merged file brings its own parts (the runs its sections came from), less the sections merged over
         result["parts"] = [dict(q, sections=[k for k in q["sections"] if k not in sections])
@@ -1010,7 +1044,7 @@ def merge(paths: list[str], out: str) -> int:
             keep = {(r["model"], r["layers"]) for r in part["train"]}
             result["train"] = [r for r in result.get("train", []) if (r["model"], r["layers"]) not in keep]
             result["train"] += part["train"]
-        for key in ("decode_memory", "nfe"):
+        for key in ("decode_memory", "static_history", "nfe"):
             if key in part:
                 result.setdefault(key, {}).update(part[key])
         if "gpu_check" in part:

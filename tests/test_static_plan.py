@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tdlm.decoding import decode
-from tdlm.decoding.loop import DecodeConfig
+from tdlm.decoding import decode, loop
+from tdlm.decoding.loop import POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.temporal.model import TDLM
 from tests.conftest import live_tdlm, sharp_backbone
@@ -135,6 +135,83 @@ def test_a_compiled_static_decode_compiles_once_and_a_second_decode_of_the_bucke
             graphs.append(counters["stats"]["unique_graphs"])
             assert _key(compiled) == _key(decode(model, p, policy="tdlm", **KW))
         assert graphs == [1, 1], graphs  # one uncached step graph for the bucket, none more
+        assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
+# every policy but tdlm, on a left-padded batch of three; the stop token (stop_at_eos) makes "original", which
+# otherwise evaluates gen_length times in every row, finish its rows at different evaluations too
+BASELINES = tuple(p for p in POLICIES if p != "tdlm")
+PROMPTS_C = [[3, 4, 40, 41, 42, 43, 44, 45, 46], [3, 4, 60, 61], [3, 4, 70, 71, 72, 73, 74]]
+STOP = {"tiny-llada": [91], "tiny-dream": [23]}
+
+
+def _record_select(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per evaluation: the confidences and candidates the commit rule sees (after credit's fusion or soft's mixed
+    inputs), i.e. what every row's reuse state has made of its logits."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    orig = loop._select
+
+    def run(conf, cand, *args, **kwargs):
+        seen.append((conf.clone(), cand.clone()))
+        return orig(conf, cand, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "_select", run)
+    return seen
+
+
+@pytest.mark.parametrize("policy", BASELINES)
+@pytest.mark.parametrize("name", BACKBONES)
+def test_every_baseline_policy_decodes_under_the_static_plan_what_it_does_under_the_dynamic_one(
+        backbones, name, policy, monkeypatch):  # fmt: skip
+    """Tokens, NFE and reveal steps equal, with and without a stop token, on a padded batch whose rows finish at
+    different evaluations; at every evaluation the rows still decoding see the dynamic plan's confidences (credit's
+    matrices and soft's mixed embeddings of a row are neither changed by a finished row kept in the batch nor read
+    by it), and a finished row has no candidate left, so it commits nothing."""
+    assert set(BASELINES) == {"original", "threshold", "entropy", "credit", "soft"}
+    uneven = 0
+    for stop in (None, STOP[name]):
+        kw = dict(KW, threshold=0.6, policy=policy, stop_at_eos=stop is not None, stop_ids=stop)
+        seen = _record_select(monkeypatch)
+        dynamic = decode(backbones[name], PROMPTS_C, **kw)
+        dyn = list(seen)
+        seen.clear()
+        static = decode(backbones[name], PROMPTS_C, storage="static", **kw)
+        assert _key(static) == _key(dynamic), stop
+        nfe = [r.nfe for r in dynamic]
+        uneven += len(set(nfe)) > 1
+        assert len(seen) == len(dyn) == max(nfe)
+        for i, ((conf, cand), (d_conf, d_cand)) in enumerate(zip(seen, dyn, strict=True)):
+            live = [r for r in range(len(PROMPTS_C)) if nfe[r] > i]  # the rows the dynamic plan still holds
+            gone = [r for r in range(len(PROMPTS_C)) if nfe[r] <= i]
+            assert torch.equal(cand[live], d_cand) and not cand[gone].any(), i
+            torch.testing.assert_close(conf[live], d_conf, rtol=1e-5, atol=1e-5)  # batch size: not bitwise
+    assert uneven >= 1, "no batch kept a finished row while another decoded"
+
+
+def test_a_compiled_multi_block_static_decode_compiles_one_graph_whatever_its_blocks_and_steps(backbones):
+    """Batch 1, 32 tokens in 4 blocks of 8 (about 25 evaluations), history ``full`` under ``aot_eager``: the static
+    plan's uncached TDLM step is one graph for every block and step (the history never changes size, so no bucket
+    or block recompiles), and a second decode of other prompts of the same length compiles nothing. A new prompt
+    length changes the canvas (``input_ids`` is (1, P + G)): one recompile, after which dynamo's automatic dynamic
+    shapes cover further lengths; CUDA graphs still record one graph per length."""
+    from torch._dynamo.utils import counters
+
+    model = live_tdlm(backbones["tiny-llada"], history="full")
+    kw = dict(KW, gen_length=32, block_size=8)
+    prompts = [[[3, 4, 40, 41, 42]], [[3, 9, 60, 61, 62]], [[3, 9, 60, 61, 62, 7]], [[3, 9, 60, 61, 62, 7, 8]]]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        graphs, nfe = [], []
+        for p in prompts:
+            compiled = decode(model, p, policy="tdlm", storage="static", compile="aot_eager", **kw)
+            graphs.append(counters["stats"]["unique_graphs"])
+            nfe.append(compiled[0].nfe)
+            assert _key(compiled) == _key(decode(model, p, policy="tdlm", **kw))
+        assert min(nfe) > 2 * kw["gen_length"] // kw["block_size"], nfe  # several steps in each of the 4 blocks
+        assert graphs == [1, 1, 2, 2], graphs
         assert counters["graph_break"] == {}, dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()

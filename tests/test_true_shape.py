@@ -83,3 +83,17 @@ def test_the_timeline_kernels_are_the_fused_roofline(fake_models, cache):
             ms = ts.step_ms(step, gpu, kernels=len(us), launch_us=5.0)
             assert ms["graphs"] <= ms["overlap"] <= ms["launch"]
     assert "_kernel_us" not in str(ts.strip_timelines(r))
+
+
+def test_the_static_plan_history_is_the_stated_formula_at_true_shape():
+    """The static storage plan's history (bench/true_shape.py ``static_history``) as ``TDLM.static_histories``
+    allocates it, fake tensors at the true widths: the bytes ``TDLM.temporal_cache_bytes(1, G, G)`` states per row,
+    times the batch; ``last:32`` holds 32 of ``full``'s 256 slots (+ the sink)."""
+    out = ts.static_history("llada-8b", DEPTH)
+    full, last = out["rows"]
+    assert (full["history"], last["history"]) == ("full", "last:32")
+    for r in out["rows"]:
+        assert r["formula_matches"] and r["allocated_bytes"]["8"] == 8 * r["per_row_bytes"] > 0, r
+    assert full["d_t"] == 256 and full["dtype"] == "torch.bfloat16" and full["gen"] == 256
+    per_slot = full["temporal_layers"] * 256 * 2 * full["d_t"] * 2  # layers x positions x (key, value) x d_t x bf16
+    assert full["per_row_bytes"] - last["per_row_bytes"] == (256 - 32) * (per_slot + 256)  # + a validity byte each
