@@ -151,6 +151,79 @@ def test_method_rows_are_timed_interleaved_in_rotated_order(tmp_path):
     assert every == sorted(p.id for p in plans[0].task.problems)  # each problem exactly once
 
 
+def test_storage_and_compile_reach_the_decode_config_the_worker_decodes_with(tmp_path, monkeypatch):
+    """``storage`` travels as ``compile`` does, outside DecodeConfig.to_dict (the run's identity), and the evaluator's
+    compile once never reached its workers: what is checked is the DecodeConfig the worker hands to decode, for every
+    decode of every run (the job dicts are what Ray actors get too)."""
+    import tdlm.evaluation.worker as worker_mod
+    from tdlm.evaluation.driver import plan_runs, run_in_process, shard_jobs
+
+    seen, real = [], worker_mod.decode
+
+    def spy(model, prompts, config, **kw):
+        seen.append((config.policy, config.storage, config.compile))
+        return real(model, prompts, replace(config, compile=False), **kw)  # eager: the setting is what is checked
+
+    monkeypatch.setattr(worker_mod, "decode", spy)
+    cfg = cfg_for(tmp_path, tasks=["gsm8k"], policies=["original", "threshold"], limit=2, batch_size=2, warmup=1,
+                  storage="static", compile="eager").validate()
+    plans = plan_runs(cfg)
+    jobs, _ = shard_jobs(cfg, plans, 1)
+    run_in_process(cfg, jobs)
+    assert sorted(seen) == [("original", "static", "eager")] * 2 + [("threshold", "static", "eager")] * 2  # + warm-up
+    assert [len(read_records(shard_path(p.run_dir, 0, 1))) for p in plans] == [2, 2]
+
+
+def test_storage_is_not_part_of_a_runs_identity_and_each_resumes_the_other(tmp_path):
+    """Static and dynamic storage decode the same tokens: same run names and run.json, and a run decoded with one
+    resumes with the other (its samples are skipped, nothing is refused)."""
+    from tdlm.evaluation.driver import plan_runs, shard_jobs
+
+    dynamic = cfg_for(tmp_path, tasks=["gsm8k"], policies=["original", "threshold"], limit=3)
+    first = plan_runs(dynamic)
+    with Appender(shard_path(first[0].run_dir, 0, 1)) as a:  # one sample of the dynamic run on disk
+        p = first[0].task.problems[0]
+        a.write({"id": p.id, "index": p.index, "prompt": p.prompt})
+    for storage in ("static", "dynamic"):
+        again = plan_runs(replace(dynamic, storage=storage))  # same folder: compared with run.json, not refused
+        assert [(q.spec.name, q.identity) for q in again] == [(q.spec.name, q.identity) for q in first], storage
+        assert "storage" not in json.dumps(again[0].identity)
+        jobs, skipped = shard_jobs(replace(dynamic, storage=storage), again, 1)
+        assert skipped == 1 and {j.decode["storage"] for j in jobs} == {storage}
+
+
+def test_storage_is_checked_in_one_line_before_anything_is_loaded(tmp_path):
+    """A bad value, static with a spatial KV cache, or static with a latent:M history (named, or an adapter's own):
+    one line naming the field and flag, from DecodeConfig's own checks, at validate() / expand() (no weights read)."""
+    from tdlm.evaluation.config import parse_args
+    from tdlm.temporal.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    with pytest.raises(TDLMError, match=r"^storage \(--storage\): decode storage 'statc' unknown; expected one of "
+                                        r"dynamic, static$"):  # fmt: skip
+        cfg_for(tmp_path, storage="statc").validate()
+    with pytest.raises(TDLMError, match=r"^storage \(--storage\): storage='static' covers cache='none' only .*"
+                                        r"use storage='dynamic' with cache='dual'$"):  # fmt: skip
+        cfg_for(tmp_path, storage="static", caches=["none", "dual"]).validate()
+    cfg_for(tmp_path, storage="static", caches=["none", "dual"], cache_policies=["original"]).validate()  # no such run
+    with pytest.raises(TDLMError, match=r"^storage \(--storage\): storage='static' does not cover history latent:2: "
+                                        r".*use storage='dynamic'$"):  # fmt: skip
+        cfg_for(tmp_path, storage="static", policies=["tdlm"], adapters=["a"],
+                histories=["full", "latent:2"]).validate()
+    lat = tmp_path / "lat"  # an adapter trained with latent:2: its config file is all expand() reads
+    lat.mkdir()
+    (lat / ADAPTER_CONFIG).write_text(json.dumps({"history": "latent:2"}))
+    (lat / ADAPTER_WEIGHTS).write_bytes(b"")
+    cfg = cfg_for(tmp_path, policies=["tdlm"], adapters=[str(lat)], storage="static").validate()
+    with pytest.raises(TDLMError, match=r"^adapter lat \(storage, --storage\): storage='static' does not cover "
+                                        r"history latent:2"):  # fmt: skip
+        expand(cfg)
+    assert [r.history for r in expand(replace(cfg, storage="dynamic"))] == ["latent:2"]
+    assert parse_args(["--backbone", "b", "--output-dir", "o", "--storage", "static"]).storage == "static"
+    assert parse_args(["--backbone", "b", "--output-dir", "o"]).storage == "dynamic"
+    with pytest.raises(SystemExit):
+        parse_args(["--backbone", "b", "--output-dir", "o", "--storage", "statc"])
+
+
 def test_comparison_runs_sharing_a_group_get_distinct_names():
     """Evaluations that share a user-given group (a sweep's trials, ``--group table1`` across backbones) must not
     share the comparison run's name; the default group is one per output folder already."""

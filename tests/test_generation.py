@@ -154,6 +154,52 @@ def test_config_validation(tmp_path, prompt_file):
             make_cfg(tmp_path, prompt_file, policy="entropy", entropy_threshold=h).validate()
 
 
+def test_storage_and_compile_reach_the_replicas_decode_config(tmp_path, prompt_file):
+    """The replicas got DecodeConfig.to_dict(), the manifest's identity, which leaves out compile and storage: both
+    were dropped on the way and every replica decoded eager and dynamic. Checked on the DecodeConfig a replica built
+    from the spec the driver sends (tdlm.generation.driver.worker_spec)."""
+    from dataclasses import replace
+
+    from tdlm.generation.driver import worker_spec
+
+    cfg = make_cfg(tmp_path / "out", prompt_file, storage="static", compile="eager").validate()
+    spec = worker_spec(cfg, gpu=False)
+    assert "storage" not in cfg.identity([], None, None)["decode"] and cfg.run_settings()["storage"] == "static"
+    worker = ShardWorker(replace(spec, device="cpu"))
+    worker.info()  # re-raises a load error
+    assert (worker.config.storage, worker.config.compile) == ("static", "eager")
+    worker.config = replace(worker.config, compile=False)  # eager here (seconds): static decodes dynamic's tokens
+    ps = load_prompts(cfg.prompt_source())
+    res = worker.run_shard(ShardTask(0, [p.source_id for p in ps], [p.text for p in ps]))
+    assert_same(res.records, reference(replace(cfg, storage="dynamic", compile=False)))
+
+
+def test_storage_is_checked_before_anything_starts(tmp_path, prompt_file):
+    from dataclasses import replace
+
+    from tdlm.generation.cli import parse_args
+    from tdlm.generation.driver import check_models_and_hub
+    from tdlm.temporal.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    with pytest.raises(TDLMError, match=r"^storage \(--storage\): decode storage 'statc' unknown; expected one of "
+                                        r"dynamic, static$"):  # fmt: skip
+        make_cfg(tmp_path, prompt_file, storage="statc").validate()
+    with pytest.raises(TDLMError, match=r"^storage \(--storage\): storage='static' covers cache='none' only .*"
+                                        r"use storage='dynamic' with cache='prefix'$"):  # fmt: skip
+        make_cfg(tmp_path, prompt_file, storage="static", cache="prefix").validate()
+    lat = tmp_path / "lat"  # an adapter trained with latent:2 (its config is read; no weight is)
+    lat.mkdir()
+    (lat / ADAPTER_CONFIG).write_text(json.dumps({"history": "latent:2"}))
+    (lat / ADAPTER_WEIGHTS).write_bytes(b"")
+    cfg = make_cfg(tmp_path, prompt_file, policy="tdlm", adapter=str(lat), storage="static").validate()
+    with pytest.raises(TDLMError, match=rf"^--adapter {lat} \(storage, --storage\): storage='static' does not cover "
+                                        r"history latent:2: .*use storage='dynamic'$"):  # fmt: skip
+        check_models_and_hub(cfg)
+    check_models_and_hub(replace(cfg, storage="dynamic"))
+    argv = ["--backbone", "b", "--prompts", "p", "--output-dir", "o"]
+    assert parse_args([*argv, "--storage", "static"]).storage == "static" and parse_args(argv).storage == "dynamic"
+
+
 @pytest.fixture
 def no_hub(monkeypatch):
     """The Hub unreachable (HF_ENDPOINT on a closed local port), and whatever hub_offline() switches restored."""
@@ -306,6 +352,14 @@ def test_cli_prints_one_line_error(out_copy, prompt_file, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "decode.gen_length: 16 -> 32" in err and "\n" not in err
+
+
+def test_storage_and_compile_are_not_the_manifests_identity(out_copy, prompt_file, caplog):
+    """A dynamic, eager run's folder is the same job with storage static (and compiled): nothing refused, nothing
+    to do."""
+    with caplog.at_level(logging.INFO, logger="tdlm.generation"):
+        summary = generate(make_cfg(out_copy, prompt_file, storage="static", compile="eager"))
+    assert summary.skipped_shards == 3 and summary.computed_shards == [] and "nothing to do" in caplog.text
 
 
 def test_rerun_of_finished_dir_does_nothing(out_copy, prompt_file, caplog):

@@ -104,6 +104,47 @@ def test_chat_template_stop_sequences_and_refusals(adapter, one_thread):
         TDLMHarnessLM(backbone="tiny-arith", batch_size="auto")
 
 
+def test_storage_reaches_the_decode_and_an_adapters_latent_history_is_refused_before_loading(adapter, one_thread,
+                                                                                                 monkeypatch, tmp_path):
+    """``storage=`` reaches the DecodeConfig every decode call gets (static decodes dynamic's tokens); with
+    ``history`` unset, static against an adapter trained with latent:M is refused from its config file before the
+    backbone is loaded."""
+    from lm_eval.api.instance import Instance
+
+    import tdlm.decoding
+    import tdlm.models.loading
+    from tdlm.harness import TDLMHarnessLM
+    from tdlm.temporal.adapter_files import ADAPTER_CONFIG
+
+    problems, ref = _reference(adapter, 2)
+    seen, real = [], tdlm.decoding.decode
+
+    def spy(model, prompts, config, **kw):
+        seen.append((config.storage, config.compile, len(prompts)))
+        return real(model, prompts, config, **kw)
+
+    monkeypatch.setattr(tdlm.decoding, "decode", spy)
+    lm = TDLMHarnessLM(pretrained="tiny-arith", adapter=str(adapter), gen_length=40, block_size=40, dtype="float32",
+                       storage="static", batch_size=2)
+    reqs = [Instance("generate_until", doc={}, arguments=(p.prompt, {"until": []}), idx=0, metadata=("probe", 0, 1))
+            for p in problems]  # fmt: skip
+    assert lm.generate_until(reqs) == [r.text for r in ref] and seen == [("static", False, 2)]
+
+    lat = tmp_path / "lat"
+    lat.mkdir()
+    (lat / ADAPTER_CONFIG).write_text(json.dumps({"history": "latent:2"}))
+
+    def loaded(*a, **k):
+        raise AssertionError("the backbone was loaded")
+
+    monkeypatch.setattr(tdlm.models.loading, "load_backbone", loaded)
+    with pytest.raises(tdlm.TDLMError, match=rf"^--model_args adapter={lat}: storage='static' does not cover history "
+                                             r"latent:2: .*use storage='dynamic'$"):  # fmt: skip
+        TDLMHarnessLM(pretrained="tiny-arith", adapter=str(lat), storage="static")
+    with pytest.raises(AssertionError, match="the backbone was loaded"):  # dynamic: on to the loading
+        TDLMHarnessLM(pretrained="tiny-arith", adapter=str(lat))
+
+
 def test_shipped_tasks_read_the_local_benchmark_copies(monkeypatch):
     from tdlm.harness.tasks import utils
 
@@ -164,6 +205,12 @@ def test_python_m_tdlm_harness_cli(adapter, tmp_path):
     (["--model_args", "pretrained=tiny-arith,history=last:0"], r"history=last:0: expected full, current, last:k"),
     (["--model_args", "pretrained=tiny-arith,gen_length=40,block_size=16"], r"^error: --model_args: .*block_size"),
     (["--model_args", "pretrained=tiny-arith,compile=fast"], r"^error: --model_args: .*compile"),
+    (["--model_args", "pretrained=tiny-arith,storage=statc"], r"^error: --model_args storage=statc: expected dynamic "
+                                                              r"\| static; did you mean storage=static\?$"),
+    (["--model_args", "pretrained=tiny-arith,storage=static,cache=dual"],
+     r"^error: --model_args: storage='static' covers cache='none' only .*use storage='dynamic' with cache='dual'$"),
+    (["--model_args", "pretrained=tiny-arith,adapter=x,history=latent:2,storage=static"],
+     r"^error: --model_args: storage='static' does not cover history latent:2: .*use storage='dynamic'$"),
     (["--model_args", "pretrained=no-such-backbone"], r"pretrained=no-such-backbone: unknown backbone"),
 ])
 def test_cli_mistakes_are_one_line(argv, pattern, capsys, monkeypatch):

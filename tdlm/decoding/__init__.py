@@ -2,6 +2,6 @@
 credit and soft of :mod:`tdlm.decoding.reuse`) and cache mode (:mod:`tdlm.decoding.loop`), and the prediction-history
 diagnostic (:mod:`tdlm.decoding.prediction_history`)."""
 
-from tdlm.decoding.loop import CACHE_MODES, POLICIES, DecodeConfig, DecodeResult, decode
+from tdlm.decoding.loop import CACHE_MODES, POLICIES, STORAGE_PLANS, DecodeConfig, DecodeResult, decode
 
-__all__ = ["CACHE_MODES", "POLICIES", "DecodeConfig", "DecodeResult", "decode"]
+__all__ = ["CACHE_MODES", "POLICIES", "STORAGE_PLANS", "DecodeConfig", "DecodeResult", "decode"]

@@ -51,7 +51,7 @@ from tdlm.decoding.reuse import REUSE_DEFAULTS, REUSE_POLICIES, check_reuse_fiel
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
 from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
-from tdlm.temporal.history import column_bucket
+from tdlm.temporal.history import HistoryPolicy, column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
 
 POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
@@ -118,6 +118,22 @@ class DecodeConfig:
                 f"allowed block sizes: {', '.join(map(str, divisors))}"
             )
         return self
+
+    def check_history(self, history: HistoryPolicy | str) -> DecodeConfig:
+        """What :meth:`validate` cannot see: the TDLM history ``history`` (a :class:`HistoryPolicy` or its text) this
+        config would decode. :func:`decode` checks its model's; the evaluator and the harness check a history named in
+        their settings or an adapter's file before anything is loaded."""
+        policy = HistoryPolicy.parse(history)
+        if self.storage == "static" and self.policy == "tdlm" and policy.recurrent:
+            raise TDLMError(f"storage='static' does not cover history {policy}: its latents are replaced, not "
+                            f"written in place, at each evaluation; use storage='dynamic'")  # fmt: skip
+        return self
+
+    def run_settings(self) -> dict:
+        """The fields :meth:`to_dict` leaves out of a run's identity (``compile``, ``storage``): how the decode runs,
+        not what it computes. A caller that sends :meth:`to_dict` to a worker must add these, or the worker decodes
+        eager and dynamic."""
+        return {"compile": self.compile, "storage": self.storage}
 
     def to_dict(self) -> dict:
         """The settings as a dict; ``cache`` only when one is used and the credit / soft fields only for their policy,
@@ -413,9 +429,8 @@ def decode(
                             f"per request); allowed caches with it: none, prefix")  # fmt: skip
     device = next(backbone.parameters()).device
     spec = check_compile(cfg.compile, device)
-    if cfg.storage == "static" and cfg.policy == "tdlm" and model.policy.recurrent:
-        raise TDLMError(f"storage='static' does not cover history {model.policy}: its latents are replaced, not "
-                        f"written in place, at each evaluation; use storage='dynamic'")  # fmt: skip
+    if cfg.policy == "tdlm":
+        cfg.check_history(model.policy)
     if spec is not None and cfg.policy == "tdlm" and model.policy.recurrent:
         raise TDLMError(f"compile={cfg.compile!r} does not cover history {model.policy} (a recurrent latent "
                         f"memory); decode it with compile=False")  # fmt: skip

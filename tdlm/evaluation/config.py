@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
-from tdlm.decoding import CACHE_MODES, POLICIES, DecodeConfig
+from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS, DecodeConfig
 from tdlm.decoding.reuse import REUSE_DEFAULTS
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
@@ -79,6 +79,10 @@ class EvalConfig:
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); the warm-up
     # decodes compile, so timed seconds exclude compilation
     compile: bool | str = DecodeConfig.compile
+    # where the decode keeps its temporal history (tdlm.DecodeConfig.storage): dynamic | static (allocated once at
+    # fixed addresses, what CUDA graphs need; cache none only, no latent:M history). Tokens equal: like compile, not
+    # part of a run's identity, so either resumes the other's runs
+    storage: str = DecodeConfig.storage
     # run settings (may change on resume)
     workers: int | None = None  # shards / Ray actors; None = one per visible GPU (min 1); 1 = in-process, no Ray
     threads: int | None = None  # torch threads per CPU worker (Ray CPU actors reserve this many CPUs)
@@ -158,7 +162,8 @@ class EvalConfig:
             HistoryPolicy.parse(h)
         if self.histories is not None and not self.histories:
             raise TDLMError("histories: expected at least one (full, last:k, current) or None")
-        cached = [c for c in self.caches if c != "none"]
+        cached = [c for p in pols for c in self.caches_for(p) if c != "none"]  # the caches some run decodes with
+        self._check_storage(pols, cached)
         DecodeConfig(cache=(cached or ["none"])[0], **self.decode_settings()).validate()  # the weights' ranges too
         if self.dtype is not None and self.dtype not in DTYPES:
             raise TDLMError(f"dtype {self.dtype!r} unknown; expected one of {', '.join(DTYPES)}")
@@ -177,6 +182,17 @@ class EvalConfig:
             raise TDLMError(f"code_timeout_s must be > 0; got {self.code_timeout_s}")
         self.adapter_dirs()  # labels well-formed and unique
         return self
+
+    def _check_storage(self, pols: list[str], cached: list[str]) -> None:
+        """``storage`` against the grid, by DecodeConfig's own checks, before anything is loaded: a cached run, or a
+        ``latent:M`` history named in ``histories`` (an adapter's own history is checked by :func:`expand`)."""
+        try:
+            DecodeConfig(storage=self.storage, cache=(cached or ["none"])[0]).validate()
+            if "tdlm" in pols:
+                for h in self.histories or []:
+                    DecodeConfig(policy="tdlm", storage=self.storage).check_history(h)
+        except TDLMError as e:
+            raise TDLMError(f"storage (--storage): {e}") from None
 
     def adapter_dirs(self) -> dict[str, str]:
         """``label -> folder`` of ``adapters`` ("DIR" is labelled by its folder name, "LABEL=DIR" by LABEL)."""
@@ -202,7 +218,8 @@ class EvalConfig:
         """The decode fields shared by every run (policy and thresholds are per run; a run's identity keeps the
         credit / soft weights only for its own policy, DecodeConfig.to_dict)."""
         return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos,
-                "compile": self.compile, **{k: getattr(self, k) for k in REUSE_DEFAULTS}}  # fmt: skip
+                "compile": self.compile, "storage": self.storage,
+                **{k: getattr(self, k) for k in REUSE_DEFAULTS}}  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -296,6 +313,10 @@ def expand(cfg: EvalConfig) -> list[RunSpec]:
                                 if c == "dual" and history.recurrent:
                                     raise TDLMError(f"adapter {label}: cache 'dual' cannot serve history {history} "
                                                     f"(allowed caches with it: none, prefix)")  # fmt: skip
+                                try:
+                                    DecodeConfig(policy=policy, storage=cfg.storage).check_history(history)
+                                except TDLMError as e:
+                                    raise TDLMError(f"adapter {label} (storage, --storage): {e}") from None
                                 runs.append(RunSpec(task, policy, threshold=tau, adapter_label=label, adapter=path,
                                                     history=str(history), cache=c))  # fmt: skip
     names = [(r.task, r.name) for r in runs]
@@ -320,7 +341,7 @@ FLAGS: dict[str, Flag] = {
     "tdlm_thresholds": Flag(group=GRID), "entropy_thresholds": Flag(group=GRID),
     "histories": Flag(name="--history", group=GRID), "caches": Flag(name="--cache", choices=CACHE_MODES, group=GRID),
     "cache_policies": Flag(choices=POLICIES, group=GRID), "gen_length": Flag(group=GRID),
-    "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID),
+    "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID), "storage": Flag(choices=STORAGE_PLANS),
     **{k: Flag(group=GRID) for k in ("credit_thresholds", "soft_thresholds", *REUSE_DEFAULTS)},
     **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
                                     "max_task_retries", "max_shard_attempts", "head_timeout_s")},

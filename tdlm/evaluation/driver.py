@@ -196,8 +196,9 @@ def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[lis
         done = done_ids(plan.run_dir)
         todo = [p for p in plan.task.problems if p.id not in done]
         skipped += len(plan.task.problems) - len(todo)
-        # to_dict leaves compile out of the run's identity (eager and compiled tokens are equal); the worker needs it
-        decode_cfg = {**plan.spec.decode_config(cfg).to_dict(), "compile": cfg.compile}
+        # to_dict leaves compile and storage out of the run's identity (their tokens are equal); the worker needs them
+        dc = plan.spec.decode_config(cfg)
+        decode_cfg = {**dc.to_dict(), **dc.run_settings()}
         rounds: list[list[ShardJob]] = []
         for w in range(num_shards):
             probs = [(p.id, p.index, p.prompt) for p in todo if shard_of(p.index, num_shards) == w]

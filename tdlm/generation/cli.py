@@ -10,7 +10,7 @@ import os
 import sys
 
 from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
-from tdlm.decoding import CACHE_MODES, POLICIES
+from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
 from tdlm.generation.driver import HeadLost, generate
@@ -28,7 +28,7 @@ FLAGS: dict[str, Flag] = {
     "chat": Flag(name="--no-chat", negate=True, group=PROMPTS),
     "policy": Flag(choices=POLICIES, group=DECODING), "threshold": Flag(name="--tau", group=DECODING),
     **{k: Flag(group=DECODING) for k in ("entropy_threshold", "gen_length", "block_size", "stop_at_eos", "compile")},
-    "cache": Flag(choices=CACHE_MODES, group=DECODING),
+    "cache": Flag(choices=CACHE_MODES, group=DECODING), "storage": Flag(choices=STORAGE_PLANS, group=DECODING),
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
     **{k: Flag(group=CLUSTER) for k in ("batch_size", "actors", "cpus_per_actor", "address", "max_restarts",
                                         "max_task_retries", "max_shard_attempts", "log_interval", "head_timeout_s")},

@@ -63,6 +63,9 @@ class GenerationConfig:
     batch_size: int = 1408
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); tokens equal
     compile: bool | str = DecodeConfig.compile
+    # where the decode keeps its temporal history (tdlm.DecodeConfig.storage): dynamic | static (allocated once at
+    # fixed addresses, what CUDA graphs need; cache none only, no latent:M adapter); tokens equal
+    storage: str = DecodeConfig.storage
     actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
     cpus_per_actor: int = 1  # CPU actors: torch threads per replica
     address: str | None = None  # Ray cluster address; None = RAY_ADDRESS, else a fresh local cluster
@@ -84,6 +87,7 @@ class GenerationConfig:
             stop_at_eos=self.stop_at_eos,
             cache=self.cache,
             compile=self.compile,
+            storage=self.storage,
         )
 
     def prompt_source(self) -> PromptSource:
@@ -99,6 +103,10 @@ class GenerationConfig:
         h = self.entropy_threshold
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h < float("inf"):
             raise TDLMError(f"entropy_threshold (--entropy-threshold, H) must be a positive number; got {h!r}")
+        try:
+            DecodeConfig(storage=self.storage, cache=self.cache).validate()
+        except TDLMError as e:
+            raise TDLMError(f"storage (--storage): {e}") from None
         self.decode_config().validate()  # after the checks above, whose messages name the flags
         if self.policy == "tdlm" and not self.adapter:
             raise TDLMError("policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)")
@@ -148,7 +156,7 @@ class GenerationConfig:
     def run_settings(self) -> dict:
         names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
                  "max_restarts", "max_task_retries", "max_shard_attempts", "head_timeout_s", "allow_eval_prompts",
-                 "allow_other_backbone", "compile")  # fmt: skip
+                 "allow_other_backbone", "compile", "storage")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def to_dict(self) -> dict:

@@ -59,6 +59,7 @@ from tdlm.generation.worker import (
     adapter_fingerprint,
     backbone_fingerprint,
 )
+from tdlm.temporal.adapter_files import trained_history
 
 log = logging.getLogger("tdlm.generation")
 
@@ -133,16 +134,13 @@ def replica_resources(cfg: GenerationConfig, shards_todo: int) -> tuple[int, dic
     return max(1, min(n, shards_todo)), opts
 
 
-def replica_launcher(cfg: GenerationConfig, shards_todo: int,
-                     faults: FaultInjection | None = None) -> tuple[int, dict, Callable[[], object]]:  # fmt: skip
-    """(number of replicas, their Ray resource options, a function that starts one replica actor)."""
-    import ray
-
-    n, resources = replica_resources(cfg, shards_todo)
-    gpu = resources.get("num_gpus", 0) > 0
-    spec = WorkerSpec(
+def worker_spec(cfg: GenerationConfig, gpu: bool, faults: FaultInjection | None = None) -> WorkerSpec:
+    """What every replica of ``cfg`` loads and decodes with (``gpu``: the replicas hold a GPU each)."""
+    dc = cfg.decode_config()
+    return WorkerSpec(
         backbone=cfg.backbone,
-        decode=cfg.decode_config().to_dict(),
+        # to_dict is the manifest's identity, without compile and storage (their tokens are equal); replicas need them
+        decode={**dc.to_dict(), **dc.run_settings()},
         batch_size=cfg.batch_size,
         chat=cfg.chat,
         adapter=cfg.adapter,
@@ -154,6 +152,15 @@ def replica_launcher(cfg: GenerationConfig, shards_todo: int,
         threads=None if gpu else cfg.cpus_per_actor,
         faults=faults,
     )
+
+
+def replica_launcher(cfg: GenerationConfig, shards_todo: int,
+                     faults: FaultInjection | None = None) -> tuple[int, dict, Callable[[], object]]:  # fmt: skip
+    """(number of replicas, their Ray resource options, a function that starts one replica actor)."""
+    import ray
+
+    n, resources = replica_resources(cfg, shards_todo)
+    spec = worker_spec(cfg, resources.get("num_gpus", 0) > 0, faults)
     # Two threads per replica: run_shard in one, progress() answered in the other (per-batch progress).
     # SPREAD: replicas on as many nodes as fit, so a lost node takes as few replicas as possible with it.
     remote_cls = ray.remote(_Replica).options(
@@ -268,6 +275,11 @@ def check_models_and_hub(cfg: GenerationConfig) -> str | None:
         raise (e if repr(cfg.backbone) in str(e) else TDLMError(f"backbone {cfg.backbone!r}: {e}")) from None
     if cfg.adapter:
         adapter_fingerprint(cfg.adapter)  # names the folder and the missing file
+    if cfg.adapter and cfg.storage != "dynamic":  # the adapter's own history (static: no latent:M), before Ray starts
+        try:
+            cfg.decode_config().check_history(trained_history(cfg.adapter))
+        except TDLMError as e:
+            raise TDLMError(f"--adapter {cfg.adapter} (storage, --storage): {e}") from None
     if cfg.prompt_source().is_local():
         return None
     why = hub_unreachable()

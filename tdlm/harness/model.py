@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -64,6 +65,9 @@ class HarnessConfig:
     history: str | None = None  # tdlm history restriction (None = the adapter's own)
     cache: str = "none"  # spatial KV cache: none | prefix | dual
     compile: bool | str = False  # torch.compile the decode step: false | true | reduce-overhead (tdlm.DecodeConfig)
+    # where the decode keeps its temporal history (tdlm.DecodeConfig.storage): dynamic | static (fixed addresses, what
+    # CUDA graphs need; cache none only, no latent:M history); tokens equal
+    storage: str = "dynamic"
     stop_at_eos: bool = False
     chat: bool = True  # wrap a raw context as a user message through the chat template
     dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
@@ -93,10 +97,11 @@ class HarnessConfig:
             raise bad("block_size", "an integer >= 1", self.block_size)
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise bad("dtype", "float32, bfloat16 or float16", self.dtype)
-        from tdlm.decoding import CACHE_MODES, POLICIES
+        from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS
         from tdlm.temporal.history import HistoryPolicy
 
-        for name, value, allowed in (("policy", self.policy, POLICIES), ("cache", self.cache, CACHE_MODES)):
+        for name, value, allowed in (("policy", self.policy, POLICIES), ("cache", self.cache, CACHE_MODES),
+                                     ("storage", self.storage, STORAGE_PLANS)):
             if value is not None and value not in allowed:
                 near = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
                 raise bad(name, " | ".join(allowed) + (f"; did you mean {name}={near[0]}?" if near else ""), value)
@@ -112,9 +117,22 @@ class HarnessConfig:
                 raise bad("history", "full, current, last:k or latent:M (k, M >= 1)", self.history) from None
         try:
             self.decode_config().validate()
+            if self.history is not None:
+                self.decode_config().check_history(self.history)
         except TDLMError as e:
             raise TDLMError(f"--model_args: {e}") from None
         return self
+
+    def check_adapter_history(self, folder: str | os.PathLike) -> None:
+        """With ``history`` unset the adapter decodes its own: checked against ``storage`` from its config file,
+        before the backbone is loaded."""
+        if self.history is None and self.resolved_policy() == "tdlm":
+            from tdlm.temporal.adapter_files import trained_history
+
+            try:
+                self.decode_config().check_history(trained_history(folder))
+            except TDLMError as e:
+                raise TDLMError(f"--model_args adapter={self.adapter}: {e}") from None
 
     def resolved_policy(self) -> str:
         return self.policy or ("tdlm" if self.adapter else "threshold")
@@ -125,6 +143,7 @@ class HarnessConfig:
         return DecodeConfig(policy=self.resolved_policy(), gen_length=self.gen_length, block_size=self.block_size,
                             threshold=self.threshold, entropy_threshold=self.entropy_threshold,
                             stop_at_eos=self.stop_at_eos, cache=self.cache, compile=self.compile,
+                            storage=self.storage,
                             **{k: getattr(self, k) for k in REUSE_FIELDS if getattr(self, k) is not None})
 
 
@@ -186,10 +205,16 @@ class TDLMHarnessLM(LM):
                 log.warning("--device %s: no CUDA device here; decoding on the CPU", device)
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
+        adapter = c.adapter
+        if policy == "tdlm" and c.storage != "dynamic":  # the adapter's own history, before the backbone loads
+            from tdlm.temporal.adapter_files import resolve_adapter
+
+            adapter = resolve_adapter(c.adapter, c.revision)
+            c.check_adapter_history(adapter)
         bb = load_backbone(c.pretrained, dtype=c.dtype, device=self._device)
         self.model = bb
         if policy == "tdlm":
-            self.model = TDLM.from_pretrained(bb, c.adapter, history=c.history, revision=c.revision,
+            self.model = TDLM.from_pretrained(bb, adapter, history=c.history, revision=c.revision,
                                               allow_other_backbone=c.allow_other_backbone)
         self.tokenizer = load_tokenizer(c.pretrained)
         self.stop_ids = stop_token_ids(self.tokenizer, bb.eos_token_id)

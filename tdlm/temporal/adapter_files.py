@@ -62,6 +62,17 @@ def adapter_config_path(directory: str | os.PathLike) -> Path:
 
 
 
+def trained_history(directory: str | os.PathLike) -> str:
+    """The history an adapter folder was trained with (its config's ``history``; ``full`` where the file has none),
+    read without loading a weight: the history a decode of the adapter with ``history=None`` uses."""
+    path = adapter_config_path(directory)
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TDLMError(f"{path}: invalid JSON: {e}") from None
+    return str((raw.get("history") if isinstance(raw, dict) else None) or "full")
+
+
 def adapter_fingerprint(directory: str) -> str:
     """sha256 over the adapter's two files (small: the temporal weights only)."""
     h = hashlib.sha256()
