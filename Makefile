@@ -60,7 +60,7 @@ test: $(STAMP) bubblewrap multinode-tools
 	@export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
 	export TORCH_EXTENSIONS_DIR=$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch_extensions}; \
 	$(BIN)/python -m pytest -q -rfEs -n $(TEST_WORKERS) --dist loadfile -m 'not slow' $(TEST_ARGS) tests; fast=$$?; \
-	$(BIN)/python -m pytest -q -rfEs -m slow $(TEST_ARGS) tests; slow=$$?; \
+	$(BIN)/python -m pytest -q -rfEs --durations=12 -m slow $(TEST_ARGS) tests; slow=$$?; \
 	echo "make test: single-process pass exit $$fast, slow pass exit $$slow"; \
 	for rc in $$fast $$slow; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit 1; done
 
