@@ -135,3 +135,17 @@ def test_cache_rejects_other_shapes():
         model.forward_step(x, 5, cache)
     with pytest.raises(tdlm.TDLMError, match="batch size 1"):
         model.forward_step(x.repeat(2, 1), 4, cache)
+
+
+def test_an_adapter_config_that_is_not_a_json_object_is_one_line(tmp_path):
+    """Both readers of an adapter's config (the history read before loading, and the full load) share one reader:
+    a config that is JSON but not an object is one line naming the file, not an AttributeError."""
+    from tdlm.temporal.adapter_files import trained_history
+
+    model = tdlm.TDLM(tdlm.load_backbone("tiny-llada"), tdlm.TemporalConfig(layers="all", heads=2, head_dim=8))
+    d = model.save_adapter(tmp_path / "a")
+    assert trained_history(d) == "full"
+    (d / ADAPTER_CONFIG).write_text(json.dumps([1, 2]))
+    for read in (lambda: trained_history(d), lambda: tdlm.TDLM.from_adapter(tdlm.load_backbone("tiny-llada"), d)):
+        with pytest.raises(tdlm.TDLMError, match=rf"{ADAPTER_CONFIG}: expected a JSON object, got list"):
+            read()

@@ -62,15 +62,22 @@ def adapter_config_path(directory: str | os.PathLike) -> Path:
 
 
 
-def trained_history(directory: str | os.PathLike) -> str:
-    """The history an adapter folder was trained with (its config's ``history``; ``full`` where the file has none),
-    read without loading a weight: the history a decode of the adapter with ``history=None`` uses."""
-    path = adapter_config_path(directory)
+def read_config(path: Path) -> dict:
+    """An adapter's config file as a dict, or one line naming the file (not JSON, not UTF-8, not an object)."""
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TDLMError(f"{path}: invalid JSON: {e}") from None
-    return str((raw.get("history") if isinstance(raw, dict) else None) or "full")
+    if not isinstance(raw, dict):
+        raise TDLMError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def trained_history(directory: str | os.PathLike) -> str:
+    """The history an adapter folder was trained with (its config's ``history``; ``full`` where the file has none),
+    read without loading a weight: the history a decode of the adapter with ``history=None`` uses."""
+    raw = read_config(adapter_config_path(directory))
+    return str(raw.get("history") or "full")
 
 
 def adapter_fingerprint(directory: str) -> str:
@@ -189,10 +196,7 @@ def read_adapter(backbone: Backbone, directory: str | os.PathLike, history: str 
     cfg_path, w_path = adapter_config_path(d), d / ADAPTER_WEIGHTS
     if not w_path.exists():
         raise TDLMError(f"{d}: missing {w_path.name} (expected a folder written by TDLM.save_adapter)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
+    raw = read_config(cfg_path)
     if raw.get("format_version") != ADAPTER_FORMAT_VERSION:
         raise TDLMError(
             f"{cfg_path}: format_version={raw.get('format_version')!r}; this tdlm reads version "
