@@ -4,6 +4,11 @@ The parent calls :func:`beside_predicted` after the stages, whatever they left: 
 picks the prediction rows of ``bench/results/true_shape.json`` that hold for the GPU the stages ran on
 (``gpu_check.gpu_kind``, ``gpu_check.select_predictions``), prints the table and writes
 ``<out>/predicted_vs_measured.json``. Standard library only: the parent never imports torch.
+
+A ``reduce-overhead`` setting (``compile="reduce-overhead"``, ``storage="static"``) is held to the ``reduce-overhead``
+prediction of its (model, batch, cache) row (true_shape.json's ``reduce_overhead`` section: the fused roofline,
+launches about 0), and its ms/NFE over the same setting's compile=True one (``.../compiled``) to the predicted ratio
+(``reduce-overhead/compiled`` rows: with the launches added, and issued asynchronously as ``overlapped``).
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                      "predicted": planner / 2**30 if kind and planner else None,
                      "source": "plan(zero=3, world_size=1), ds_configs/zero3.json knobs"})  # fmt: skip
     block = docs["nfe"].get("block_size", 32)
+    # the compile=True setting each reduce-overhead one is held against (same model, batch and cache)
+    speed = [m for m in docs["nfe"].get("rows", []) if m.get("mode") == "compiled" and m.get("purpose") == "speed"]
+    compiled_rows = {(m["model"], m["batch"], m["cache"]): m for m in speed}
+    compiled_items = {k: m["item"] for k, m in compiled_rows.items()}
     for m in docs["nfe"].get("rows", []):
         if "mode" not in m:
             continue
@@ -93,6 +102,16 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                          # compiled: the launches added (above) or issued asynchronously (here), and none
                          "predicted_overlapped": pm.get("compiled_overlapped") if compiled else None,
                          "predicted_cuda_graphs": pm.get("cuda_graphs") if compiled else None})  # fmt: skip
+            if m["mode"] == "reduce-overhead":  # CUDA graphs beside compile=True: the launch term, measured
+                base = compiled_rows.get(key, {}).get(f"{policy}_ms_per_nfe")
+                ro = m.get(f"{policy}_ms_per_nfe")
+                ro_p = pm.get("reduce-overhead")
+                want = ro_p / pm["compiled"] if ro_p and pm.get("compiled") else None
+                ovl = ro_p / pm["compiled_overlapped"] if ro_p and pm.get("compiled_overlapped") else None
+                rows.append({"what": f"reduce-overhead/compiled {model} b{m['batch']} {m['cache']} {policy}",
+                             "unit": "", "measured": ro / base if ro and base else None, "predicted": want,
+                             "predicted_overlapped": ovl, "pairs": [m["item"], compiled_items.get(key)],
+                             "source": "true_shape.json reduce_overhead (roofline / + launches)"})  # fmt: skip
             prof = m.get(f"{policy}_launches") or {}
             if prof.get("kernels_per_nfe_compiled") is not None:
                 rows.append({"what": f"kernels/NFE in compiled region {model} b1 {m['cache']} {policy}", "unit": "",

@@ -19,11 +19,14 @@ Exit status 3 after a CUDA error: it poisons this process, so the parent goes on
   loss finite. Skipped when DeepSpeed is not importable (its wheels travel in ``.whl/``, see gpu_check.sh).
 * ``nfe``: ``tdlm.decode`` as users run it, LLaDA-8B and Dream-7B shape (random bf16 weights), prompt 256 + 64 in
   blocks of 32, batch 1 and a left-padded batch of 8, cache none / dual, compiled (``compile=True``) and eager,
-  threshold vs tdlm (half the layers, dispersed, live adapter): ms per NFE and TDLM / backbone. Each setting
-  decodes once untimed (compiles) and once timed. Compiled batch-1 settings decode once more under
-  ``torch.profiler`` (:func:`launch_profile`): kernels per NFE launched inside the compiled region only, and the
-  host time per launch (:func:`region_counts`). ``/gen256`` settings decode a 256-token response once per policy
-  for the decode memory at true_shape.json's ``decode_memory`` shape (max allocated after a peak reset).
+  threshold vs tdlm (half the layers, dispersed, live adapter): ms per NFE and TDLM / backbone; and
+  ``compile="reduce-overhead"`` with ``storage="static"`` (CUDA graphs; ``gpu_check.compile_kw``) at batch 1 and 8,
+  none / dual, beside compile=True (``reduce_overhead_over_compiled``). Each setting decodes once untimed (compiles;
+  reduce-overhead also records its CUDA graphs at the static plan's addresses) and once timed (replays). Batch-1
+  ``compile=True`` settings decode once more under ``torch.profiler`` (:func:`launch_profile`): kernels per NFE
+  launched inside the compiled region only, and the host time per launch (:func:`region_counts`). ``/gen256``
+  settings decode a 256-token response once per policy for the decode memory at true_shape.json's
+  ``decode_memory`` shape (max allocated after a peak reset).
 """
 
 from __future__ import annotations
@@ -43,7 +46,17 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-from gpu_check import HOOKS_ENV, HOST_US_PER_LAUNCH_IS, ROOT, gpu_kind, hook, nfe_settings, read_json, write_json
+from gpu_check import (
+    HOOKS_ENV,
+    HOST_US_PER_LAUNCH_IS,
+    ROOT,
+    compile_kw,
+    gpu_kind,
+    hook,
+    nfe_settings,
+    read_json,
+    write_json,
+)
 
 ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)
 
@@ -292,7 +305,9 @@ def _shape(ctx, setting: dict) -> tuple[int, int, int]:
 def nfe_setup(ctx) -> dict:
     P, G, bs = _shape(ctx, {})
     return {"prompt_len": P, "gen_length": G, "block_size": bs, "threshold": 0.9, "dtype": ctx.dtype_name,
-            "compile": "eager" if ctx.dry_run else True, "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
+            "compile": "eager" if ctx.dry_run else True, "compile_by_mode": {m: compile_kw(m, ctx.dry_run) for m in
+                                                                             ("compiled", "reduce-overhead", "eager")},
+            "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
             "settings": {s["name"]: s for s in nfe_settings(ctx.dry_run)}}  # fmt: skip
 
 
@@ -356,11 +371,11 @@ def nfe_item(ctx, name: str, partial) -> dict:
     rows = torch.randint(3, min(bb.vocab_size, 1000), (s["batch"], P), generator=g).tolist()
     req = [r[: P - (i * P) // (2 * s["batch"])] for i, r in enumerate(rows)]  # left-padded when batch > 1
     compiled = s["mode"] == "compiled"
-    row: dict = {k: s[k] for k in ("model", "batch", "cache", "mode", "purpose")} | {"gen_length": G}
+    how = compile_kw(s["mode"], ctx.dry_run)  # reduce-overhead: CUDA graphs + the static plan (gpu_check.compile_kw)
+    row: dict = {k: s[k] for k in ("model", "batch", "cache", "mode", "purpose")} | {"gen_length": G} | how
     for policy in ("threshold", "tdlm"):
         target = live if policy == "tdlm" else bb
-        kw = dict(policy=policy, cache=s["cache"], gen_length=G, block_size=bs, threshold=0.9,
-                  compile=("eager" if ctx.dry_run else True) if compiled else False)  # fmt: skip
+        kw = dict(policy=policy, cache=s["cache"], gen_length=G, block_size=bs, threshold=0.9, **how)
         h = hook("sleep", "nfe", f"{name}@{policy}")  # test hook: a policy that hangs after the other finished
         if h:
             time.sleep(h[3])
@@ -380,7 +395,9 @@ def nfe_item(ctx, name: str, partial) -> dict:
             else:
                 sync(ctx.device)
                 t0 = time.perf_counter()
-                tdlm.decode(target, req, **kw)  # untimed: compiles / warms up every graph of this setting
+                # untimed: compiles / warms up every graph of this setting (reduce-overhead: records its CUDA graphs,
+                # at the static plan's addresses, which the timed decode of the same bucket replays)
+                tdlm.decode(target, req, **kw)
                 sync(ctx.device)
                 row[f"{policy}_warmup_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -390,7 +407,9 @@ def nfe_item(ctx, name: str, partial) -> dict:
             evals = max(r.nfe for r in res)
             row[f"{policy}_ms_per_nfe"] = 1000 * sec / evals
             row[f"{policy}_nfe"] = [r.nfe for r in res]
-            if compiled and s["batch"] == 1:  # after the timed decode: the profiler slows what it watches
+            # after the timed decode: the profiler slows what it watches. compile=True only: under CUDA graphs the
+            # kernels are replayed, not launched, and the reduce-overhead rows are held to their ms/NFE.
+            if compiled and s["batch"] == 1:
                 row[f"{policy}_launches"] = launch_profile(target, req, kw, ctx.device)
         except Exception as e:  # the other policy still runs
             row[f"{policy}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
@@ -406,14 +425,20 @@ def nfe_item(ctx, name: str, partial) -> dict:
 
 
 def nfe_summary(doc: dict) -> None:
-    """Compiled / eager of the same model, batch and cache, wherever both have run."""
+    """Compiled / eager and reduce-overhead / compiled of the same model, batch and cache, wherever both have run."""
     rows = [r for r in doc["rows"] if r.get("purpose") == "speed"]
+
+    def same(r: dict, mode: str) -> dict | None:
+        return next((e for e in rows if e.get("mode") == mode and (e["model"], e["batch"], e["cache"]) ==
+                     (r["model"], r["batch"], r["cache"])), None)  # fmt: skip
+
     for r in rows:
-        eager = next((e for e in rows if e["mode"] == "eager" and (e["model"], e["batch"], e["cache"]) ==
-                      (r["model"], r["batch"], r["cache"])), None)  # fmt: skip
-        for policy in ("threshold", "tdlm"):
-            if r["mode"] == "compiled" and eager and f"{policy}_ms_per_nfe" in r and f"{policy}_ms_per_nfe" in eager:
-                r[f"{policy}_compiled_over_eager"] = r[f"{policy}_ms_per_nfe"] / eager[f"{policy}_ms_per_nfe"]
+        for mode, over, key in (("compiled", "eager", "compiled_over_eager"),
+                                ("reduce-overhead", "compiled", "reduce_overhead_over_compiled")):  # fmt: skip
+            base = same(r, over) if r.get("mode") == mode else None
+            for policy in ("threshold", "tdlm"):
+                if base and f"{policy}_ms_per_nfe" in r and f"{policy}_ms_per_nfe" in base:
+                    r[f"{policy}_{key}"] = r[f"{policy}_ms_per_nfe"] / base[f"{policy}_ms_per_nfe"]
 
 
 # -- the launch profile: kernels of the compiled region, host time per launch ----------------------------------

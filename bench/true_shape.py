@@ -47,6 +47,19 @@ What is modelled rather than traced, and why:
   (``launch_us_at_target``), a number the first GPU run checks (``bench/gpu_check.py`` profiles kernels per NFE
   and the GPU's busy time against the wall).
 
+**The static storage plan** (``storage="static"``; ``static_history``, section ``static_history``): its memory per
+row at the decode predictions' shape (prompt 256, already a prompt bucket, + 256): the temporal history at its final
+size (``full``: 256 slots; ``last:32``), the spatial KV cache of every layer (bf16) and the canvas (ids, attention
+mask, reveal steps, NFE; int64), and per batch bucket 1, 2, 4, ... on an H200 (141 GB): the weights, every bucket
+decoded so far (the plan keeps one set per bucket: 2B - 1 rows), the transient activations of ``decode_memory``
+and a 2 GiB reserve; the largest bucket that fits and whether batch 8 with the dual cache does
+(``memory.batch8_dual_fits``). ``static_plan_check``: the per-row formula against what real decodes with
+``storage="static", cache="dual"`` hold on tiny models (``static_bytes(backbone)`` + the histories, exact).
+
+**Reduce-overhead rows** (section ``reduce_overhead``, from ``gpu_check``'s rows; ``--merge`` derives it too):
+``compile="reduce-overhead"`` (CUDA graphs: launches about 0) against ``compile=True`` (launches at ``--launch-us``)
+for each setting bench/gpu_check.py times, named as it names them, written before any GPU run.
+
 Usage:  python bench/true_shape.py [--out bench/results/true_shape.json] [--quick] [--skip train,memory,...]
 """
 
@@ -858,7 +871,13 @@ def static_history(name: str, depth: int | None) -> dict:
     (``TDLM.temporal_cache_bytes(1, G, G)``, :func:`tdlm.temporal.storage.history_bytes`) beside the bytes of the
     history ``TDLM.static_histories`` allocates (fake tensors: shapes and dtypes, no storage) at batch 1 and 8. Held
     from the first evaluation for as long as the model lives (one per batch size), where the dynamic plan grows its
-    buckets as the decode goes (``decode_memory``: its size at the last step)."""
+    buckets as the decode goes (``decode_memory``: its size at the last step).
+
+    ``plan``: the static plan's whole memory per row (:func:`static_plan_row`): this history, the spatial KV cache
+    of every layer at the canvas length the decode predictions use (prompt 256, a prompt bucket already, + 256) and
+    the canvas; ``weight_bytes``: the model's parameters (backbone + adapter, bf16)."""
+    from tdlm.decoding.static_plan import prompt_bucket
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _tdlm_at(name, mode, "full", depth)
     G = DECODE["gen"]
@@ -873,7 +892,114 @@ def static_history(name: str, depth: int | None) -> dict:
                      "dtype": str(next(model.temporal.parameters()).dtype), "per_row_bytes": per_row,
                      "allocated_bytes": {str(b): n for b, n in allocated.items()},
                      "formula_matches": all(n == b * per_row for b, n in allocated.items())})  # fmt: skip
-    return {"rows": rows}
+    bb = model.backbone
+    canvas_len = prompt_bucket(DECODE["prompt"]) + G
+    elem = next(bb.parameters()).element_size()
+    plan = {r["history"]: {c: static_plan_row(r["per_row_bytes"], bb.num_layers, bb.kv_heads, bb.head_dim,
+                                              canvas_len, G, elem, c) for c in ("none", "dual")}
+            for r in rows}  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"rows": rows, "canvas_len": canvas_len, "prompt": DECODE["prompt"], "prompt_bucketed": canvas_len - G,
+            "layers": bb.num_layers, "kv_heads": bb.kv_heads, "head_dim": bb.head_dim, "element_size": elem,
+            "weight_bytes": weights, "plan": plan,
+            "capacity_slots": {"full": G, "last:32": 32}}  # fmt: skip
+
+
+def static_plan_row(history_per_row: int, num_layers: int, kv_heads: int, head_dim: int, canvas_len: int, gen: int,
+                    element_size: int, cache: str) -> dict:  # fmt: skip
+    """Bytes per row the static plan holds for one bucket (tdlm/decoding/static_plan.py, StaticHistories): the
+    temporal history at its final size, the spatial KV cache of every layer (keys and values, (kv_heads, L,
+    head_dim) each, the backbone's dtype; none uncached), the canvas ids and attention mask (L int64 each), the
+    reveal steps (G int64) and the NFE (one int64)."""
+    from tdlm.decoding.static_plan import kv_cache_bytes
+
+    kv = kv_cache_bytes(num_layers, kv_heads, head_dim, canvas_len, element_size) if cache != "none" else 0
+    canvas = 2 * canvas_len * 8 + gen * 8 + 8
+    return {"history": history_per_row, "kv_cache": kv, "canvas": canvas, "total": history_per_row + kv + canvas}
+
+
+MEM_RESERVE = 2 * GiB  # the CUDA context, the allocator's fragmentation (decode_memory's reserve)
+BUCKETS = tuple(1 << i for i in range(12))  # 1, 2, 4, ..., 2048
+
+
+def transient_per_row(mem: dict | None) -> dict | None:
+    """The decode's transient activations (a + b B) at TDLM full + dual, from ``decode_memory``'s MemTracker peaks
+    at batch 1 and 8 less the history and spatial KV cache they hold (the static plan holds those instead)."""
+    if not mem:
+        return None
+    act = {r["batch"]: r["peak"]["Activation"] - r["kv_cache_bytes"] - r["history_bytes"] for r in mem["rows"]
+           if r["policy"] == "tdlm" and r["history"] == "full" and r["cache"] == "dual"}  # fmt: skip
+    if set(act) != {1, 8}:
+        return None
+    slope = (act[8] - act[1]) / 7
+    return {"per_row_bytes": slope, "fixed_bytes": act[1] - slope}
+
+
+def static_memory_table(st: dict, budget: float, transient: dict | None, reserve: float = MEM_RESERVE,
+                        cache: str = "dual") -> dict:  # fmt: skip
+    """Per batch bucket (1, 2, 4, ...): what the static plan holds with ``cache`` for history full / last:32, and
+    whether the model's weights + that + the transient activations of the bucket + ``reserve`` fit ``budget``.
+
+    The plan keeps one set of buffers per bucket decoded (static_plan.py: the pool grows by one per bucket), so a
+    server that has decoded every bucket up to B holds the sum of them: ``held_cumulative`` (2B - 1 rows), which is
+    what ``fits`` judges; ``fits_alone`` is a process that only ever decodes bucket B. One prompt bucket (the canvas
+    length of ``st``); each other prompt bucket or response length decoded adds its own set. The CUDA-graph pool's
+    activations are the transient term of the largest bucket (one pool per device, replays in turn)."""
+    tr = transient or {"per_row_bytes": 0.0, "fixed_bytes": 0.0}
+    out: dict = {"cache": cache, "budget_bytes": budget, "reserve_bytes": reserve, "weight_bytes": st["weight_bytes"],
+                 "transient": transient, "transient_source": "decode_memory (TDLM full + dual, batch 1 and 8, "
+                 "MemTracker peak less history and KV cache)" if transient else "none known: reserve only",
+                 "rows": [], "largest_bucket": {}, "largest_bucket_alone": {}}  # fmt: skip
+    for hist, by_cache in st["plan"].items():
+        per = by_cache[cache]["total"]
+        for b in BUCKETS:
+            act = tr["fixed_bytes"] + tr["per_row_bytes"] * b
+            cum = (2 * b - 1) * per
+            total = st["weight_bytes"] + cum + act + reserve
+            alone = st["weight_bytes"] + b * per + act + reserve
+            out["rows"].append({"history": hist, "bucket": b, "per_row_bytes": per, "held_bytes": b * per,
+                                "held_cumulative_bytes": cum, "transient_bytes": act, "total_bytes": total,
+                                "fits": total <= budget, "fits_alone": alone <= budget})  # fmt: skip
+        fit = [r["bucket"] for r in out["rows"] if r["history"] == hist and r["fits"]]
+        fit_alone = [r["bucket"] for r in out["rows"] if r["history"] == hist and r["fits_alone"]]
+        out["largest_bucket"][hist] = max(fit) if fit else None
+        out["largest_bucket_alone"][hist] = max(fit_alone) if fit_alone else None
+    out["batch8_fits"] = {h: next(r["fits"] for r in out["rows"] if r["history"] == h and r["bucket"] == 8)
+                          for h in st["plan"]}  # fmt: skip
+    out["batch8_dual_fits"] = all(out["batch8_fits"].values())
+    return out
+
+
+def static_plan_check(history: str = "full") -> dict:
+    """The per-row formula (:func:`static_plan_row`) against what a real decode holds, on tiny LLaDA and Dream
+    models on this CPU: ``tdlm.decode(storage="static", cache="dual")`` of 3 prompts (bucket 4), then of 1 prompt
+    (bucket 1, the same prompt bucket); ``static_bytes(backbone)`` + the model's static histories must equal
+    (4 + 1) x the formula's row, exactly."""
+    import tdlm
+    from tdlm.decoding.static_plan import batch_bucket, prompt_bucket, static_bytes
+    from tdlm.models.loading import load_backbone
+    from tdlm.temporal.model import TemporalConfig
+
+    G, bs = 16, 8
+    out = []
+    for name in ("tiny-llada", "tiny-dream"):
+        torch.manual_seed(0)
+        bb = load_backbone(name)
+        model = TDLM(bb, TemporalConfig(layers=f"dispersed:{max(1, bb.num_layers // 2)}", history=history)).eval()
+        batches = [[[3, 5, 50, 51], [3, 4, 70, 71, 72, 73, 74, 75, 76], [3, 9, 60]], [[3, 4, 40, 41, 42]]]
+        rows_held = 0
+        for prompts in batches:
+            tdlm.decode(model, prompts, policy="tdlm", cache="dual", gen_length=G, block_size=bs, storage="static")
+            rows_held += batch_bucket(len(prompts))
+        canvas_len = prompt_bucket(max(len(p) for b in batches for p in b)) + G
+        elem = next(bb.parameters()).element_size()
+        row = static_plan_row(model.temporal_cache_bytes(1, G, G), bb.num_layers, bb.kv_heads, bb.head_dim,
+                              canvas_len, G, elem, "dual")  # fmt: skip
+        held = static_bytes(bb) + model.static_histories.nbytes()
+        out.append({"model": name, "history": history, "gen": G, "canvas_len": canvas_len, "rows_held": rows_held,
+                    "per_row": row, "held_bytes": held, "formula_bytes": rows_held * row["total"],
+                    "matches": held == rows_held * row["total"]})  # fmt: skip
+    return {"rows": out, "matches": all(r["matches"] for r in out)}
 
 
 GPU_CHECK = {"prompt": 256, "gen": 64, "block": 32}  # bench/gpu_check.py's nfe stage
@@ -916,6 +1042,7 @@ def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launc
                             e = (e + (bs - 1) * w) / bs
                         per.append(e)
                     pred[mode_name] = sum(per) / len(per)
+                pred["reduce-overhead"] = pred["cuda_graphs"]  # compile="reduce-overhead": CUDA graphs, launches ~0
                 row[f"{policy}_ms_per_nfe"] = pred
             rows.append(row)
             th, td = row["threshold_ms_per_nfe"], row["tdlm_ms_per_nfe"]
@@ -924,6 +1051,84 @@ def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launc
                   f"{td['eager']:.2f} / {td['compiled']:.2f} / {td['compiled_overlapped']:.2f} ms (H200)",
                   flush=True)  # fmt: skip
     return rows
+
+
+def reduce_overhead_predictions(section: dict, launch_us: float) -> dict:
+    """bench/gpu_check.py's reduce-overhead settings predicted, written before any GPU run: per gpu_check row (model,
+    batch, cache) and policy, ``compile="reduce-overhead"`` (CUDA graphs: the launch term about 0, the fused
+    roofline, the row's ``cuda_graphs``) beside ``compile=True`` (the compiled graph's launches at ``launch_us`` each:
+    added, the row's ``compiled``, and issued asynchronously, ``compiled_overlapped``). Each row names the measured
+    setting it is held to (``setting``: ``<model>/b<batch>/<cache>/reduce-overhead``) and the compile=True setting
+    it is compared with (``versus``), as bench/gpu_check_compare.py pairs them.
+
+    Modelled, not traced: the static plan's own storage (a history that never compacts, a dual window of one row
+    that gathers its columns, bench/gpu_check.py runs reduce-overhead with ``storage="static"``) is the dynamic
+    plan's trace here; at the check's 64-token response the history is at most 64 columns either way."""
+    rows = []
+    for r in section.get("rows", []):
+        for policy in ("threshold", "tdlm"):
+            pm = r[f"{policy}_ms_per_nfe"]
+            pm.setdefault("reduce-overhead", pm["cuda_graphs"])  # the key gpu_check_compare reads for the mode
+            ro, added, ovl = pm["reduce-overhead"], pm["compiled"], pm["compiled_overlapped"]
+            rows.append({"model": r["model"], "gpu": r.get("gpu", section.get("gpu")), "batch": r["batch"],
+                         "cache": r["cache"], "policy": policy,
+                         "setting": f"{r['model']}/b{r['batch']}/{r['cache']}/reduce-overhead",
+                         "versus": f"{r['model']}/b{r['batch']}/{r['cache']}/compiled",
+                         "reduce_overhead_ms_per_nfe": ro, "compile_true_ms_per_nfe": added,
+                         "compile_true_overlapped_ms_per_nfe": ovl, "ratio_added": ro / added,
+                         "ratio_overlapped": ro / ovl})  # fmt: skip
+    out = {"gpu": section.get("gpu"), "shape": section.get("shape"), "launch_us": launch_us, "rows": rows,
+           "what": "ms per NFE: reduce-overhead = fused roofline (launches ~0); compile=True = fused + launches "
+                   "added (upper bound) / issued asynchronously; ratio = reduce-overhead / compile=True"}  # fmt: skip
+    print(f"\npredicted reduce-overhead vs compile=True, ms/NFE ({out['gpu']}, prompt 256 + 64, {launch_us:g} µs per "
+          f"launch without CUDA graphs):")  # fmt: skip
+    print(f"  {'setting':34s} {'policy':9s} {'reduce-ovh':>10s} {'True added':>10s} {'True ovl':>9s} {'ratio':>6s}")
+    for x in rows:
+        print(f"  {x['setting']:34s} {x['policy']:9s} {x['reduce_overhead_ms_per_nfe']:10.2f} "
+              f"{x['compile_true_ms_per_nfe']:10.2f} {x['compile_true_overlapped_ms_per_nfe']:9.2f} "
+              f"{x['ratio_added']:6.3f}")  # fmt: skip
+    return out
+
+
+def _earlier(path: str | Path, key: str) -> dict:
+    """Section ``key`` of the JSON at ``path`` (an earlier run of this bench), {} if there is none."""
+    try:
+        return json.loads(Path(path).read_text()).get(key) or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def print_static(name: str, st: dict) -> None:
+    """The static plan's memory per row and its bucket table (``static_history`` + ``static_memory_table``)."""
+    print(f"\nstatic storage plan, {name}: per row, {DECODE['gen']}-token response, canvas {st['canvas_len']} "
+          f"(prompt {st['prompt']} bucketed to {st['prompt_bucketed']}) (MiB):")  # fmt: skip
+    for r in st["rows"]:
+        for cache, p in st["plan"][r["history"]].items():
+            print(f"  {r['history']:8s} {r['temporal_layers']} of {st['layers']} layers, cache {cache:4s}: history "
+                  f"{p['history'] / 2**20:8.1f} + KV cache {p['kv_cache'] / 2**20:6.1f} + canvas "
+                  f"{p['canvas'] / 2**20:6.3f} = {p['total'] / 2**20:8.1f} (history formula matches allocation: "
+                  f"{r['formula_matches']})")  # fmt: skip
+    m = st.get("memory")
+    if not m:
+        return
+    tr = m["transient"] or {"per_row_bytes": 0, "fixed_bytes": 0}
+    print(f"  H200 {m['budget_bytes'] / 1e9:.0f} GB: weights {m['weight_bytes'] / GiB:.2f} GiB + reserve "
+          f"{m['reserve_bytes'] / GiB:.0f} GiB + transient {tr['fixed_bytes'] / 2**20:.0f} MiB + "
+          f"{tr['per_row_bytes'] / 2**20:.1f} MiB/row ({m['transient_source']}); cache {m['cache']}; held = every "
+          f"bucket up to B decoded (2B - 1 rows) (GiB)")  # fmt: skip
+    print(f"  {'bucket':>6s} " + " ".join(f"{h + ' held':>14s} {'total':>7s} {'fits':>4s}" for h in st["plan"]))
+    hists = list(st["plan"])
+    for b in BUCKETS:
+        cells = []
+        for h in hists:
+            r = next(x for x in m["rows"] if x["history"] == h and x["bucket"] == b)
+            cells.append(f"{r['held_cumulative_bytes'] / GiB:14.2f} {r['total_bytes'] / GiB:7.1f} "
+                         f"{'yes' if r['fits'] else 'no':>4s}")  # fmt: skip
+        print(f"  {b:6d} " + " ".join(cells))
+        if not any(x["fits"] for x in m["rows"] if x["bucket"] == b):
+            break
+    print(f"  largest bucket that fits: {m['largest_bucket']} (a process decoding that bucket only: "
+          f"{m['largest_bucket_alone']}); batch 8 + dual fits: {m['batch8_dual_fits']}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -989,14 +1194,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"GiB, fits {g['fits']})")  # fmt: skip
     if "static" not in skip:
         result["static_history"] = {}
+        # the transient activations: this run's decode_memory, else an earlier run's (--out, then the checked-in file)
+        known = (result.get("decode_memory") or _earlier(args.out, "decode_memory")
+                 or _earlier(ROOT / "bench" / "results" / "true_shape.json", "decode_memory"))  # fmt: skip
         for name in models:
             st = static_history(name, depth)
+            st["memory"] = static_memory_table(st, GPUS["h200"]["mem"], transient_per_row(known.get(name)))
             result["static_history"][name] = st
-            print(f"\nstatic storage plan, {name}: temporal history per row, {DECODE['gen']}-token response (GiB):")
-            for r in st["rows"]:
-                print(f"  {r['history']:8s} {r['temporal_layers']} layers: {r['per_row_bytes'] / GiB:.3f} "
-                      f"(allocated at batch 8: {r['allocated_bytes']['8'] / GiB:.3f}; formula matches "
-                      f"{r['formula_matches']})")  # fmt: skip
+            print_static(name, st)
+        checks = [static_plan_check(h) for h in ("full", "last:4")]
+        result["static_plan_check"] = {"rows": [r for c in checks for r in c["rows"]],
+                                       "matches": all(c["matches"] for c in checks)}  # fmt: skip
+        print(f"  static plan formula vs a real decode (tiny LLaDA / Dream, storage='static', cache='dual', buckets "
+              f"4 + 1): exact {result['static_plan_check']['matches']}")  # fmt: skip
     if "nfe" not in skip:
         kernels = compiled_kernels(args.kernels)
         evals_per_block = PAPER["nfe"] / (DECODE["gen"] / DECODE["block"])
@@ -1019,6 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = compiled_kernels(args.kernels)
         result["gpu_check"] = {"shape": GPU_CHECK, "gpu": "h200", "rows": [
             r for name in models for r in gpu_check_predictions(name, depth, kernels[name], args.launch_us)]}
+        result["reduce_overhead"] = reduce_overhead_predictions(result["gpu_check"], args.launch_us)
     result["seconds"] = time.perf_counter() - t0
     result["load_after"] = os.getloadavg()
     write_result(args.out, strip_timelines(result))
@@ -1032,7 +1243,8 @@ def merge(paths: list[str], out: str) -> int:
     result: dict = {"parts": []}
     for p in paths:
         part = json.loads(Path(p).read_text())
-        sections = [k for k in ("train", "decode_memory", "static_history", "nfe", "gpu_check") if k in part]
+        sections = [k for k in ("train", "decode_memory", "static_history", "static_plan_check", "nfe", "gpu_check")
+                    if k in part]  # fmt: skip
         mine = {"file": str(p), "machine": part["machine"], "quick": part["quick"], "sections": sections}
         # a merged file brings its own parts (the runs its sections came from), less the sections merged over
         result["parts"] = [dict(q, sections=[k for k in q["sections"] if k not in sections])
@@ -1047,10 +1259,17 @@ def merge(paths: list[str], out: str) -> int:
         for key in ("decode_memory", "static_history", "nfe"):
             if key in part:
                 result.setdefault(key, {}).update(part[key])
+        if "static_plan_check" in part:
+            result["static_plan_check"] = part["static_plan_check"]
         if "gpu_check" in part:
             models = {r["model"] for r in part["gpu_check"]["rows"]}
             rows = [r for r in result.get("gpu_check", {}).get("rows", []) if r["model"] not in models]
             result["gpu_check"] = part["gpu_check"] | {"rows": rows + part["gpu_check"]["rows"]}
+    if "gpu_check" in result:  # predictions derived from the gpu_check rows (no tracing)
+        result["reduce_overhead"] = reduce_overhead_predictions(result["gpu_check"], result["launch_us"])
+    for name, st in result.get("static_history", {}).items():
+        if "memory" in st:
+            print_static(name, st)
     if "nfe" in result:
         result["table"] = summary_table(result, list(result["nfe"]))
         result["targets"] = targets(result)

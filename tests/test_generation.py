@@ -184,9 +184,10 @@ def test_storage_is_checked_before_anything_starts(tmp_path, prompt_file):
     with pytest.raises(TDLMError, match=r"^storage \(--storage\): decode storage 'statc' unknown; expected one of "
                                         r"dynamic, static$"):  # fmt: skip
         make_cfg(tmp_path, prompt_file, storage="statc").validate()
-    with pytest.raises(TDLMError, match=r"^storage \(--storage\): storage='static' covers cache='none' only .*"
-                                        r"use storage='dynamic' with cache='prefix'$"):  # fmt: skip
-        make_cfg(tmp_path, prompt_file, storage="static", cache="prefix").validate()
+    with pytest.raises(TDLMError, match=r"^storage \(--storage\): compile='reduce-overhead' captures CUDA graphs, .*"
+                                        r"cache='prefix'.*; use storage='static' with it, or compile=True$"):
+        make_cfg(tmp_path, prompt_file, compile="reduce-overhead", cache="prefix").validate()
+    make_cfg(tmp_path, prompt_file, storage="static", cache="prefix").validate()
     lat = tmp_path / "lat"  # an adapter trained with latent:2 (its config is read; no weight is)
     lat.mkdir()
     (lat / ADAPTER_CONFIG).write_text(json.dumps({"history": "latent:2"}))

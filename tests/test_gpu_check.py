@@ -60,6 +60,8 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
                 prof = r[f"{policy}_launches"]
                 assert prof["nfe"] == max(r[f"{policy}_nfe"]) and prof["regions_per_nfe"] >= 1, prof
                 assert prof["cpu_ops_in_region_per_nfe"] > 0 and prof["region_host_ms_per_nfe"] > 0, prof
+        if r["mode"] == "reduce-overhead":  # on a CPU: the static plan under dynamo's eager backend
+            assert (r["compile"], r["storage"]) == ("eager", "static") and "tdlm_launches" not in r, r
         if r["purpose"] == "memory":  # decode peak after a reset: the model's bytes plus what the decode adds
             for policy in ("threshold", "tdlm"):
                 mem = r[f"{policy}_memory"]
@@ -74,6 +76,17 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     what = {r["what"]: r for r in pvm["rows"]}
     assert what["DeepSpeed peak, dispersed:4, ZeRO-3 one rank"]["predicted"] == row["planner"]["total"] / 2**30
     mem_rows = [r for w, r in what.items() if w.startswith("decode peak")]
+    rows = {r["item"]: r for r in nfe["rows"]}
+    for cache in ("none", "dual"):  # the reduce-overhead rows beside their predictions (true_shape.json)
+        for policy in ("threshold", "tdlm"):
+            ro = what[f"ms/NFE llada-8b b1 {cache} reduce-overhead {policy}"]
+            assert ro["measured"] > 0 and ro["predicted"] > 0, ro
+    ratio = what["reduce-overhead/compiled llada-8b b1 none tdlm"]  # and over the compile=True setting it pairs with
+    assert ratio["pairs"] == ["llada-8b/b1/none/reduce-overhead", "llada-8b/b1/none/compiled"], ratio
+    ro_row, c_row = rows["llada-8b/b1/none/reduce-overhead"], rows["llada-8b/b1/none/compiled"]
+    assert 0 < ratio["predicted"] < 1
+    assert ratio["measured"] == pytest.approx(ro_row["tdlm_ms_per_nfe"] / c_row["tdlm_ms_per_nfe"])
+    assert ro_row["tdlm_reduce_overhead_over_compiled"] == pytest.approx(ratio["measured"])
     assert len(mem_rows) == 2 and all(r["measured"] and r["predicted"] for r in mem_rows), mem_rows
     assert pvm["stages"]["train"]["loss_finite"] is True and pvm["stages"]["deepspeed"]["loss_finite"] is True
 
@@ -140,8 +153,60 @@ def test_stage_deadlines_keep_inside_the_overall_deadline():
     for mode, total in (("full", full), ("quick", quick)):
         assert sum(gpu_check.STAGE_CAP_S[mode].values()) + gpu_check.RESERVE_S < total / 2  # nfe keeps the most
     quick_nfe = gpu_check.nfe_settings(quick=True)
-    assert all(s["mode"] == "compiled" or s["purpose"] == "memory" for s in quick_nfe)  # no eager timing
+    assert all(s["mode"] == "compiled" or s["purpose"] == "memory" for s in quick_nfe)  # no eager, no CUDA graphs
     assert gpu_check.nfe_settings()[: len(quick_nfe)] == quick_nfe
+
+
+def test_reduce_overhead_settings_are_timed_against_compile_true_and_each_has_its_prediction():
+    """compile="reduce-overhead" (storage="static") at batch 1 and 8, uncached and dual, each after its compile=True
+    setting, batch 1 dual the first of them (right after --quick's settings); every one paired with a predicted row
+    of true_shape.json (written before any GPU run) for both policies."""
+    full = [s["name"] for s in gpu_check.nfe_settings()]
+    n_quick = len(gpu_check.nfe_settings(quick=True))
+    ro = [n for n in full if n.endswith("/reduce-overhead")]
+    assert sorted(ro) == sorted(f"llada-8b/b{b}/{c}/reduce-overhead" for b in (1, 8) for c in ("none", "dual"))
+    assert full[n_quick] == "llada-8b/b1/dual/reduce-overhead"  # most telling first
+    for name in ro:
+        assert full.index(name.replace("reduce-overhead", "compiled")) < full.index(name), name
+        assert full.index(name) < full.index("llada-8b/b1/none/eager")  # before any eager timing
+    assert gpu_check.compile_kw("reduce-overhead", False) == {"compile": "reduce-overhead", "storage": "static"}
+    assert gpu_check.compile_kw("reduce-overhead", True) == {"compile": "eager", "storage": "static"}
+    assert gpu_check.compile_kw("compiled", False) == {"compile": True}
+    assert gpu_check.compile_kw("eager", True) == {"compile": False}
+    dry = [s["name"] for s in gpu_check.nfe_settings(dry_run=True)]
+    assert {"llada-8b/b1/none/reduce-overhead", "llada-8b/b1/dual/reduce-overhead"} <= set(dry)
+    real = json.loads(gpu_check.PREDICTION.read_text())
+    sel = gpu_check.select_predictions(real, "h200")["gpu_check"]
+    predicted = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"]}
+    for name in ro:
+        model, b, cache, _ = name.split("/")
+        for policy in ("threshold", "tdlm"):
+            pm = sel[(model, int(b[1:]), cache)][f"{policy}_ms_per_nfe"]
+            assert 0 < pm["reduce-overhead"] == pm["cuda_graphs"] < pm["compiled"], (name, pm)
+            r = predicted[(name, policy)]
+            assert r["versus"] == name.replace("reduce-overhead", "compiled") and r["gpu"] == "h200"
+            assert r["reduce_overhead_ms_per_nfe"] == pm["reduce-overhead"] and 0 < r["ratio_added"] < 1
+
+
+def test_a_reduce_overhead_row_is_compared_with_its_prediction_and_its_compile_true_setting(tmp_path):
+    rows = [{"item": f"llada-8b/b8/dual/{mode}", "model": "llada-8b", "batch": 8, "cache": "dual", "mode": mode,
+             "purpose": "speed", "threshold_ms_per_nfe": ms, "tdlm_ms_per_nfe": ms * 1.02}
+            for mode, ms in (("compiled", 9.0), ("reduce-overhead", 6.3))]  # fmt: skip
+    gpu_check.write_json(tmp_path / "gpu_nfe_dryrun.json", {"stage": "nfe", "status": "ok", "rows": rows})
+    from gpu_check_compare import beside_predicted
+
+    out = {r["what"]: r for r in beside_predicted(tmp_path, True)["rows"]}
+    pred = {(r["setting"], r["policy"]): r for r in json.loads(gpu_check.PREDICTION.read_text())["reduce_overhead"]
+            ["rows"]}  # fmt: skip
+    for policy in ("threshold", "tdlm"):
+        p = pred[("llada-8b/b8/dual/reduce-overhead", policy)]
+        ms = out[f"ms/NFE llada-8b b8 dual reduce-overhead {policy}"]
+        assert ms["predicted"] == p["reduce_overhead_ms_per_nfe"] and ms["measured"] == rows[1][f"{policy}_ms_per_nfe"]
+        ratio = out[f"reduce-overhead/compiled llada-8b b8 dual {policy}"]
+        assert ratio["measured"] == pytest.approx(6.3 / 9.0) and ratio["predicted"] == pytest.approx(p["ratio_added"])
+        assert ratio["predicted_overlapped"] == pytest.approx(p["ratio_overlapped"])
+        assert ratio["pairs"] == ["llada-8b/b8/dual/reduce-overhead", "llada-8b/b8/dual/compiled"]
+        assert out[f"ms/NFE llada-8b b8 dual compiled {policy}"]["predicted"] == p["compile_true_ms_per_nfe"]
 
 
 def test_gpu_names_select_only_their_own_prediction_rows():

@@ -243,16 +243,19 @@ def test_the_paper_table_configs_decode_compiled_and_eager_stays_a_flag():
         assert eager.compile in (False, "false"), name
 
 
-def test_cuda_graph_modes_refuse_a_spatial_kv_cache_in_one_line(monkeypatch):
-    """reduce-overhead / max-autotune record CUDA graphs; the KV cache the first refresh creates would live in the
-    trees' pool and be overwritten by the next recorded call. Refused before any decode, on every device."""
+def test_cuda_graph_modes_refuse_a_spatial_kv_cache_of_the_dynamic_plan_in_one_line(monkeypatch):
+    """reduce-overhead / max-autotune record CUDA graphs; the KV cache the dynamic plan's first refresh creates would
+    live in the trees' pool and be overwritten by the next recorded call. Refused before any decode, on every device;
+    the static plan allocates it before the first step, at a fixed address."""
     from tdlm.decoding.loop import DecodeConfig
 
     for mode in ("reduce-overhead", "max-autotune"):
         for cache in ("prefix", "dual"):
-            with pytest.raises(TDLMError, match=rf"^compile='{mode}' captures CUDA graphs, which cannot keep the "
-                                                rf"spatial KV cache \(cache='{cache}'\)"):
+            with pytest.raises(TDLMError, match=rf"^compile='{mode}' captures CUDA graphs, which keep the spatial KV "
+                                                rf"cache \(cache='{cache}'\) between steps only at a fixed address; "
+                                                rf"use storage='static' with it, or compile=True$"):
                 DecodeConfig(compile=mode, cache=cache).validate()
+            DecodeConfig(compile=mode, cache=cache, storage="static").validate()
         DecodeConfig(compile=mode, cache="none").validate()
     DecodeConfig(compile=True, cache="dual").validate()
 

@@ -207,8 +207,9 @@ def test_python_m_tdlm_harness_cli(adapter, tmp_path):
     (["--model_args", "pretrained=tiny-arith,compile=fast"], r"^error: --model_args: .*compile"),
     (["--model_args", "pretrained=tiny-arith,storage=statc"], r"^error: --model_args storage=statc: expected dynamic "
                                                               r"\| static; did you mean storage=static\?$"),
-    (["--model_args", "pretrained=tiny-arith,storage=static,cache=dual"],
-     r"^error: --model_args: storage='static' covers cache='none' only .*use storage='dynamic' with cache='dual'$"),
+    (["--model_args", "pretrained=tiny-arith,compile=reduce-overhead,cache=dual"],
+     r"^error: --model_args: compile='reduce-overhead' captures CUDA graphs, .*use storage='static' with it, or "
+     r"compile=True$"),
     (["--model_args", "pretrained=tiny-arith,adapter=x,history=latent:2,storage=static"],
      r"^error: --model_args: storage='static' does not cover history latent:2: .*use storage='dynamic'$"),
     (["--model_args", "pretrained=no-such-backbone"], r"pretrained=no-such-backbone: unknown backbone"),

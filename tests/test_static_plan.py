@@ -1,4 +1,5 @@
-"""The static storage plan of the temporal history (issue 41, ``storage="static"``, cache ``none``).
+"""The static storage plan of the temporal history (issue 41, ``storage="static"``, cache ``none``; the spatial KV
+cache's and the buckets' tests: tests/test_static_buffers.py).
 
 Every tensor of the history that a TDLM step writes (entries, validity, counts, columns) stays at one address for
 the whole decode and across decodes of the same batch size, which is what inductor's CUDA-graph trees need to
@@ -109,8 +110,9 @@ def test_the_static_plan_decodes_what_the_dynamic_one_does(backbones, name, hist
 def test_storage_is_checked_in_one_line_and_is_not_part_of_the_decode_identity(backbones):
     with pytest.raises(TDLMError, match=r"^decode storage 'fixed' unknown; expected one of dynamic, static$"):
         DecodeConfig(storage="fixed").validate()
-    with pytest.raises(TDLMError, match=r"storage='static' covers cache='none' only"):
-        DecodeConfig(storage="static", cache="dual").validate()
+    DecodeConfig(storage="static", cache="dual", compile="reduce-overhead").validate()
+    with pytest.raises(TDLMError, match=r"use storage='static' with it, or compile=True$"):
+        DecodeConfig(storage="dynamic", cache="dual", compile="reduce-overhead").validate()
     assert "storage" not in DecodeConfig(storage="static").validate().to_dict()
     assert DecodeConfig(storage="static").to_dict() == DecodeConfig().to_dict()
     model = live_tdlm(backbones["tiny-llada"], history="latent:2")
@@ -193,14 +195,14 @@ def test_every_baseline_policy_decodes_under_the_static_plan_what_it_does_under_
 def test_a_compiled_multi_block_static_decode_compiles_one_graph_whatever_its_blocks_and_steps(backbones):
     """Batch 1, 32 tokens in 4 blocks of 8 (about 25 evaluations), history ``full`` under ``aot_eager``: the static
     plan's uncached TDLM step is one graph for every block and step (the history never changes size, so no bucket
-    or block recompiles), and a second decode of other prompts of the same length compiles nothing. A new prompt
-    length changes the canvas (``input_ids`` is (1, P + G)): one recompile, after which dynamo's automatic dynamic
-    shapes cover further lengths; CUDA graphs still record one graph per length."""
+    or block recompiles), and a second decode of other prompts compiles nothing, also of other lengths in the same
+    prompt bucket (prompts are left-padded to a multiple of 32 tokens, so the canvas keeps its shape). A prompt of
+    the next bucket changes the canvas (``input_ids`` is (1, P + G)): one recompile."""
     from torch._dynamo.utils import counters
 
     model = live_tdlm(backbones["tiny-llada"], history="full")
     kw = dict(KW, gen_length=32, block_size=8)
-    prompts = [[[3, 4, 40, 41, 42]], [[3, 9, 60, 61, 62]], [[3, 9, 60, 61, 62, 7]], [[3, 9, 60, 61, 62, 7, 8]]]
+    prompts = [[[3, 4, 40, 41, 42]], [[3, 9, 60, 61, 62]], [[3, 9, 60, 61, 62, 7]], [[3, 9, 60, 61, 62, 7, 8] * 5]]
     torch._dynamo.reset()
     counters.clear()
     try:
@@ -210,8 +212,8 @@ def test_a_compiled_multi_block_static_decode_compiles_one_graph_whatever_its_bl
             graphs.append(counters["stats"]["unique_graphs"])
             nfe.append(compiled[0].nfe)
             assert _key(compiled) == _key(decode(model, p, policy="tdlm", **kw))
-        assert min(nfe) > 2 * kw["gen_length"] // kw["block_size"], nfe  # several steps in each of the 4 blocks
-        assert graphs == [1, 1, 2, 2], graphs
+        assert min(nfe[:3]) > 2 * kw["gen_length"] // kw["block_size"], nfe  # several steps in each of the 4 blocks
+        assert graphs == [1, 1, 1, 2], graphs
         assert counters["graph_break"] == {}, dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()

@@ -97,3 +97,56 @@ def test_the_static_plan_history_is_the_stated_formula_at_true_shape():
     assert full["d_t"] == 256 and full["dtype"] == "torch.bfloat16" and full["gen"] == 256
     per_slot = full["temporal_layers"] * 256 * 2 * full["d_t"] * 2  # layers x positions x (key, value) x d_t x bf16
     assert full["per_row_bytes"] - last["per_row_bytes"] == (256 - 32) * (per_slot + 256)  # + a validity byte each
+
+
+def test_the_static_plan_memory_per_row_and_its_buckets_at_true_shape():
+    """The static plan's whole memory per row (``static_history``'s ``plan``): the history, the spatial KV cache of
+    every layer at the decode's canvas (prompt 256, a prompt bucket, + 256) in bf16, the canvas; the bucket table
+    holds the weights, every bucket decoded up to B (2B - 1 rows), the transient activations and the reserve."""
+    out = ts.static_history("llada-8b", DEPTH)
+    assert out["canvas_len"] == 512 and out["prompt_bucketed"] == 256 and out["element_size"] == 2
+    full, last = out["plan"]["full"], out["plan"]["last:32"]
+    kv = 2 * DEPTH * 32 * 512 * 128 * 2  # keys and values x layers x kv heads x L x head_dim x bf16
+    assert full["dual"]["kv_cache"] == last["dual"]["kv_cache"] == kv and full["none"]["kv_cache"] == 0
+    assert full["dual"]["canvas"] == 2 * 512 * 8 + 256 * 8 + 8
+    assert full["dual"]["history"] == out["rows"][0]["per_row_bytes"]
+    assert full["dual"]["total"] == full["dual"]["history"] + kv + full["dual"]["canvas"]
+    tr = {"per_row_bytes": 1e6, "fixed_bytes": 0.0}
+    mem = ts.static_memory_table(out, 141e9, tr)
+    r8 = next(r for r in mem["rows"] if r["history"] == "full" and r["bucket"] == 8)
+    assert r8["held_cumulative_bytes"] == 15 * full["dual"]["total"] and r8["held_bytes"] == 8 * full["dual"]["total"]
+    assert r8["total_bytes"] == out["weight_bytes"] + 15 * full["dual"]["total"] + 8e6 + ts.MEM_RESERVE
+    for hist in ("full", "last:32"):
+        big = mem["largest_bucket"][hist]
+        fits = {r["bucket"]: r["fits"] for r in mem["rows"] if r["history"] == hist}
+        assert fits[big] and not fits.get(2 * big, False) and big <= mem["largest_bucket_alone"][hist]
+    assert mem["batch8_dual_fits"] is True
+
+
+def test_the_static_plan_formula_is_what_a_static_decode_holds():
+    """``static_bytes(backbone)`` + the model's static histories after decodes of buckets 4 and 1 with
+    storage="static", cache="dual" (tiny LLaDA and Dream, real tensors): exactly 5 rows of ``static_plan_row``."""
+    for history in ("full", "last:4"):
+        out = ts.static_plan_check(history)
+        assert out["matches"] and {r["model"] for r in out["rows"]} == {"tiny-llada", "tiny-dream"}, out
+        for r in out["rows"]:
+            assert r["rows_held"] == 5 and r["held_bytes"] == 5 * r["per_row"]["total"] > 0, r
+            assert r["per_row"]["kv_cache"] > 0 and r["per_row"]["history"] > 0
+
+
+def test_reduce_overhead_predictions_pair_with_the_gpu_check_settings():
+    """Per gpu_check row and policy: reduce-overhead is the CUDA-graphs prediction (launches ~0), compile=True the
+    launches added / overlapped, named as bench/gpu_check.py names the settings."""
+    ms = {"eager": 14.0, "compiled": 8.0, "compiled_overlapped": 5.6, "cuda_graphs": 5.5}
+    rows = [{"model": "llada-8b", "batch": b, "cache": c, "threshold_ms_per_nfe": dict(ms), "tdlm_ms_per_nfe": dict(ms)}
+            for b in (1, 8) for c in ("none", "dual")]  # fmt: skip
+    section = {"gpu": "h200", "rows": rows}
+    out = ts.reduce_overhead_predictions(section, 5.0)
+    assert len(out["rows"]) == 8 and out["launch_us"] == 5.0
+    names = {(r["setting"], r["versus"], r["policy"]) for r in out["rows"]}
+    assert names == {(f"llada-8b/b{b}/{c}/reduce-overhead", f"llada-8b/b{b}/{c}/compiled", p)
+                     for b in (1, 8) for c in ("none", "dual") for p in ("threshold", "tdlm")}  # fmt: skip
+    for r in out["rows"]:
+        assert r["reduce_overhead_ms_per_nfe"] == 5.5 and r["compile_true_ms_per_nfe"] == 8.0
+        assert r["ratio_added"] == pytest.approx(5.5 / 8.0) and r["ratio_overlapped"] == pytest.approx(5.5 / 5.6)
+    assert all(row["tdlm_ms_per_nfe"]["reduce-overhead"] == 5.5 for row in section["rows"])  # the key compare reads

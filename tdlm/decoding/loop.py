@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from tdlm.decoding.reuse import REUSE_DEFAULTS, REUSE_POLICIES, check_reuse_fields, reuse_for, settings_of
+from tdlm.decoding.static_plan import batch_bucket, prompt_bucket, static_canvas
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
 from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
@@ -74,7 +75,8 @@ class DecodeConfig:
     compile: bool | str = False
     # Where the state a step writes lives: "dynamic" (sized as the decode goes: history buckets, compaction,
     # finished rows leave the batch) | "static" (allocated once at its final size, fixed addresses reused across
-    # decodes of a batch size, rows stay in place until the batch ends: what CUDA graphs need; cache "none" only)
+    # decodes of a bucket: batch 1, 2, 4, 8, ... with padding rows, prompts padded to 32 tokens; rows stay in place
+    # until the batch ends: what CUDA graphs need; tdlm/decoding/static_plan.py)
     storage: str = "dynamic"
     # dInfer's defaults (tdlm/decoding/reuse.py): credit adds alpha log(1 + C) to the logits, C a per-block decayed sum
     credit_alpha: float = REUSE_DEFAULTS["credit_alpha"]  # credit: weight alpha (0: threshold decoding)
@@ -91,17 +93,15 @@ class DecodeConfig:
         check_cache_mode(self.cache)
         if self.storage not in STORAGE_PLANS:
             raise TDLMError(f"decode storage {self.storage!r} unknown; expected one of {', '.join(STORAGE_PLANS)}")
-        if self.storage == "static" and self.cache != "none":
-            raise TDLMError(f"storage='static' covers cache='none' only so far (the spatial KV cache still grows "
-                            f"at each refresh); use storage='dynamic' with cache={self.cache!r}")  # fmt: skip
         mode = check_compile(self.compile)
-        if mode is not None and mode[1] in _CUDA_GRAPH_MODES and self.cache != "none":
-            # The first refresh creates the spatial KV cache inside the compiled step, so it is a CUDA-graph output
-            # in the trees' pool; the next recorded call frees and reuses that memory, and the window step would
-            # read K/V that another graph overwrote (torch's cudagraph_trees; read, not run on a GPU here).
-            raise TDLMError(f"compile={self.compile!r} captures CUDA graphs, which cannot keep the spatial KV cache "
-                            f"(cache={self.cache!r}) between steps yet; use compile=True with a cache, or "
-                            f"cache='none' with {self.compile!r}")  # fmt: skip
+        if mode is not None and mode[1] in _CUDA_GRAPH_MODES and self.cache != "none" and self.storage != "static":
+            # The dynamic plan's first refresh creates the spatial KV cache inside the compiled step, so it is a
+            # CUDA-graph output in the trees' pool; the next recorded call frees and reuses that memory, and the window
+            # step would read K/V that another graph overwrote (torch's cudagraph_trees; read, not run on a GPU here).
+            # The static plan allocates it before the first step, at a fixed address.
+            raise TDLMError(f"compile={self.compile!r} captures CUDA graphs, which keep the spatial KV cache "
+                            f"(cache={self.cache!r}) between steps only at a fixed address; use storage='static' "
+                            f"with it, or compile=True")  # fmt: skip
         # written so that NaN fails too; every entry point (evaluation, harness, generation) then refuses the same
         if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
             raise TDLMError(f"decode threshold (tau of Eq. 6) must be a confidence in [0, 1]; got {self.threshold!r}")
@@ -452,28 +452,45 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
     mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
     stops = set(stop_ids) if stop_ids is not None else {backbone.eos_token_id}
-    B = len(prompts)
+    # The static plan keeps finished rows in the batch (masked: nothing left to commit, no NFE counted), so every
+    # tensor a step reads keeps its shape, and decodes in buckets: padding rows up to a batch bucket (copies of the
+    # first request whose response holds no mask: finished from the start) and prompts left-padded to a prompt
+    # bucket, every buffer at the bucket's fixed address (tdlm/decoding/static_plan.py).
+    static = cfg.storage == "static"
+    n_req = len(prompts)
+    B = batch_bucket(n_req) if static else n_req
     P = max(len(p) for p in prompts)
+    if static:
+        P = prompt_bucket(P)
     L = P + G
-    ids = torch.full((B, L), backbone.pad_token_id, dtype=torch.long, device=device)
-    am = torch.zeros((B, L), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long, device=device)
-        am[i, P - len(p) :] = 1
-    ids[:, P:] = mask_id
-    padded = any(len(p) < P for p in prompts)  # known on the host: no device read
-    reveal = torch.zeros((B, G), dtype=torch.long, device=device)
-    nfe = torch.zeros(B, dtype=torch.long, device=device)
+    held = static_canvas(backbone, B, L, G, cfg.cache) if static else None
+    host_ids = torch.full((B, L), backbone.pad_token_id, dtype=torch.long)  # built on the host, one copy to device
+    host_am = torch.zeros((B, L), dtype=torch.long)
+    for i in range(B):
+        p = prompts[i] if i < n_req else prompts[0]
+        host_ids[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
+        host_am[i, P - len(p) :] = 1
+    host_ids[:n_req, P:] = mask_id  # padding rows: a response of pad tokens, nothing to decode
+    if held is None:
+        ids, am = host_ids.to(device), host_am.to(device)
+        reveal = torch.zeros((B, G), dtype=torch.long, device=device)
+        nfe = torch.zeros(B, dtype=torch.long, device=device)
+    else:
+        ids, am, reveal, nfe = held.ids, held.attention_mask, held.reveal, held.nfe
+        ids.copy_(host_ids)
+        am.copy_(host_am)
+        reveal.zero_()
+        nfe.zero_()
+    # known on the host: no device read; the static plan always passes the mask (one graph kind for every bucket)
+    padded = static or any(len(p) < P for p in prompts)
     seconds = [0.0] * B
     states: list[list[list[int]]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)
     rows_host = list(range(B))  # the active rows, host mirror of `active`
-    blk_host = [0] * B  # each active row's active block (all masked at the start: block 0)
+    last = G // bs - 1  # the last block (where the static plan keeps finished and padding rows)
+    blk_host = [0 if i < n_req else last for i in range(B)]  # each active row's active block (the first, or done)
     kv_host = [-1] * B  # the block each active row's spatial KV cache holds
-    left = [G] * B  # masked response positions of each active row (progress)
-    # The static plan keeps finished rows in the batch (masked: nothing left to commit, no NFE counted), so every
-    # tensor a step reads keeps its shape and the history its addresses until the batch ends.
-    static = cfg.storage == "static"
+    left = [G if i < n_req else 0 for i in range(B)]  # masked response positions of each active row (progress)
     cache = model.new_cache(B, length=G, static=static) if cfg.policy == "tdlm" else None
     # per active row, for the history's front under the dual cache (window_front): its block at the last
     # compaction and that block's masked positions then (before any, storage column p holds position p)
@@ -482,13 +499,17 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     # A dual window step over a front of more columns than this gathers its positions' columns instead (rows far
     # past the last compaction); a bound of twice the window's own width, not tuned.
     front_most = 2 * column_bucket(bs + backbone.logit_shift, G)
-    kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
+    if held is not None:
+        kv_cache = held.kv_cache
+    else:
+        kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
     reuse = reuse_for(cfg, backbone, B, G, device)  # credit / soft state (tdlm/decoding/reuse.py), else None
     # A single row under the dual cache compacts only when it changes block, and a row reveals only in its active
     # block, so its history's columns always hold the positions from its active block's start in order: the rows
     # of h that a temporal layer reads, a slice of h (TemporalCache.claim_rows / set_front(aligned=True)): no gather
     # of h and no scatter-add of the correction per temporal layer. Several rows sit in different blocks.
-    in_order = cache is not None and cfg.cache == "dual" and B == 1
+    # (A static history never compacts: its column p holds position p for the whole decode.)
+    in_order = cache is not None and cfg.cache == "dual" and B == 1 and not static
     if in_order:
         cache.claim_rows(cache.width == G)
     pos_block = torch.arange(G, device=device) // bs  # (G,)
@@ -500,14 +521,14 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
 
         bar = tqdm(total=B * G, desc=f"decode[{cfg.policy}]", unit="tok", leave=False)
     excluded = 0.0  # wall seconds of evaluations that compiled a graph
-    finished: set[int] = set()  # rows done (the static plan keeps them in the batch)
+    finished: set[int] = set(range(n_req, B))  # rows done (the static plan keeps them in the batch)
     _sync(device)
     t0 = time.perf_counter()
     while rows_host:
         t_eval, graphs = time.perf_counter(), _graphs_compiled()
-        x = ids[active]  # (b, L)
+        x = ids if static else ids[active]  # (b, L); the static plan's is the canvas itself, at its fixed address
         b = len(rows_host)
-        a_mask = am[active] if padded else None
+        a_mask = (am if static else am[active]) if padded else None
         if record_states:
             for r, row in zip(rows_host, x[:, P:].tolist(), strict=True):
                 if not (static and r in finished):
@@ -515,6 +536,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         resp = x[:, P:]  # (b, G)
         masked = resp == mask_id
         blk = pos_block[masked.int().argmax(1)]  # the first masked position gives the active block (b,)
+        if static:  # a finished row's block is the last one: its prefix window never starts left of a live row's
+            blk = torch.where(masked.any(1), blk, last)
         start = blk * bs
         idx = start[:, None] + block_pos  # (b, bs) response positions of the block
         cand = masked.gather(1, idx)
@@ -527,6 +550,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
                 front = window_front(blk_host, comp_blk, comp_in, bs, extra, G)
                 if in_order:  # the block's columns are the window's rows from (logit shift - offset), in order
                     cache.set_front(min(front, bs + extra), aligned=True)
+                elif static:  # the window's columns looked up: one shape whatever the block
+                    cache.set_front(None)
                 else:
                     cache.set_front(front if front <= front_most else None)
             elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
@@ -540,7 +565,10 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
                     for r, step in groups]  # fmt: skip
         blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
-        nfe[active] += masked.any(1) if static else 1  # a finished row that stays evaluates nothing of its own
+        if static:
+            nfe += masked.any(1)  # a finished row that stays evaluates nothing of its own
+        else:
+            nfe[active] += 1
         logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
         conf, x0 = logp.max(-1)
         conf = conf.exp()  # float64 probability of the greedy token
@@ -548,7 +576,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         commit = _select(conf, cand, cfg.policy, cfg, entropy, None if reuse is None else reuse.threshold(evals))
         new_resp = resp.clone()
         new_resp.scatter_(1, idx, torch.where(commit, x0, resp.gather(1, idx)))
-        rows_reveal = reveal[active]
+        rows_reveal = reveal.clone() if static else reveal[active]
         rows_reveal.scatter_(1, idx, torch.where(commit, nfe[active, None].expand_as(idx), rows_reveal.gather(1, idx)))
         still = new_resp == mask_id
         if cfg.stop_at_eos:
@@ -562,14 +590,20 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
             new_resp = torch.where(fill, torch.full_like(new_resp, backbone.eos_token_id), new_resp)
             rows_reveal = torch.where(fill, nfe[active, None].expand_as(rows_reveal), rows_reveal)
             still = new_resp == mask_id
-        ids[active, P:] = new_resp
-        reveal[active] = rows_reveal
+        if static:  # in place, at the canvas's fixed addresses
+            ids[:, P:].copy_(new_resp)
+            reveal.copy_(rows_reveal)
+        else:
+            ids[active, P:] = new_resp
+            reveal[active] = rows_reveal
         # The one host synchronisation of the evaluation: which rows are done, each row's next active block,
         # its masked count, and whether its logits were finite (a NaN greedy token would commit id 0 silently:
         # fp16 overflows the bf16-trained releases on a GPU).
         count = still.sum(1)
-        done_l, next_l, left_l, nan_l = torch.stack([count == 0, pos_block[still.int().argmax(1)], count,
-                                                     conf.isnan().any(1)]).tolist()
+        next_blk = pos_block[still.int().argmax(1)]
+        if static:
+            next_blk = torch.where(count == 0, last, next_blk)
+        done_l, next_l, left_l, nan_l = torch.stack([count == 0, next_blk, count, conf.isnan().any(1)]).tolist()
         if any(nan_l):
             raise TDLMError(f"decode: the backbone's logits are not finite (NaN) at evaluation {int(nfe.max())} of "
                             f"{sum(map(bool, nan_l))} row(s), dtype {next(backbone.parameters()).dtype}; float16 "
@@ -585,6 +619,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
                 if d and r not in finished:
                     seconds[r] = now - t0 - excluded
                     finished.add(r)
+            if kv_cache is not None:  # a finished row is never refreshed again: it rides the window steps
+                kv_host = [last if i in finished and k >= 0 else k for i, k in enumerate(kv_host)]
             if len(finished) == B:
                 rows_host = []
         elif any(done_l):
@@ -619,7 +655,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         bar.close()
     results = []
     all_tokens, all_nfe, all_reveal = ids[:, P:].tolist(), nfe.tolist(), reveal.tolist()  # three reads in all
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts):  # (the static plan's padding rows are not requests)
         toks = all_tokens[i]
         cut = next((j for j, t in enumerate(toks) if t in stops), len(toks))
         text = tokenizer.decode(toks[:cut], skip_special_tokens=True) if tokenizer is not None else ""

@@ -184,10 +184,12 @@ class EvalConfig:
         return self
 
     def _check_storage(self, pols: list[str], cached: list[str]) -> None:
-        """``storage`` against the grid, by DecodeConfig's own checks, before anything is loaded: a cached run, or a
-        ``latent:M`` history named in ``histories`` (an adapter's own history is checked by :func:`expand`)."""
+        """``storage`` against the grid, by DecodeConfig's own checks, before anything is loaded: a
+        ``latent:M`` history named in ``histories``, a CUDA-graph compile mode with a cache under the dynamic plan
+        (an adapter's own history is checked by :func:`expand`)."""
         try:
-            DecodeConfig(storage=self.storage, cache=(cached or ["none"])[0]).validate()
+            for cache in cached or ["none"]:
+                DecodeConfig(storage=self.storage, cache=cache, compile=self.compile).validate()
             if "tdlm" in pols:
                 for h in self.histories or []:
                     DecodeConfig(policy="tdlm", storage=self.storage).check_history(h)

@@ -104,7 +104,7 @@ class GenerationConfig:
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h < float("inf"):
             raise TDLMError(f"entropy_threshold (--entropy-threshold, H) must be a positive number; got {h!r}")
         try:
-            DecodeConfig(storage=self.storage, cache=self.cache).validate()
+            DecodeConfig(storage=self.storage, cache=self.cache, compile=self.compile).validate()
         except TDLMError as e:
             raise TDLMError(f"storage (--storage): {e}") from None
         self.decode_config().validate()  # after the checks above, whose messages name the flags

@@ -140,6 +140,7 @@ class Backbone(nn.Module):
     num_layers: int
     hidden_size: int
     head_dim: int
+    kv_heads: int  # key/value heads per layer (the spatial KV cache's second dimension)
     rope_theta: float
     # Rotary embedding computed and applied in float32 whatever the compute dtype (LLaDA's release:
     # rope_full_precision=True); False = tables rounded to the compute dtype (Qwen2 / Dream's release).

@@ -150,6 +150,7 @@ class Dream(Backbone):
         self.pad_token_id = cfg.pad_token_id
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
+        self.kv_heads = cfg.num_key_value_heads
         self.hidden_size = cfg.hidden_size
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
         self.rope_theta = cfg.rope_theta

@@ -55,11 +55,24 @@ class SpatialKVCache:
     batch_size: int
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The static storage plan (:meth:`allocate`): every layer's keys and values at their final size and a fixed
+    # address, written in place only, rows kept until the batch ends (tdlm/decoding/static_plan.py).
+    static: bool = False
 
     def __post_init__(self) -> None:
         check_cache_mode(self.mode)
         if self.mode == "none":
             raise TDLMError("cache 'none' keeps no keys/values; create a SpatialKVCache for 'prefix' or 'dual'")
+
+    def allocate(self, layers, heads: int, length: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """The static plan: (B, ``heads``, ``length``, ``head_dim``) keys and values for each of ``layers`` now, each
+        marked with ``torch._dynamo.mark_static_address`` (a refresh then copies into them, never allocates: a
+        tensor allocated inside a compiled step would be a CUDA-graph output that the next recording reuses)."""
+        for layer in layers:
+            for store in (self.keys, self.values):
+                store[layer] = torch.zeros((self.batch_size, heads, length, head_dim), dtype=dtype, device=device)
+                torch._dynamo.mark_static_address(store[layer])
+        self.static = True
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Refresh: keep the full-canvas k, v (b, H_kv, L, d_h) of ``layer`` for ``rows`` (None = every row)."""
@@ -74,7 +87,7 @@ class SpatialKVCache:
             else:
                 self.keys[layer], self.values[layer] = k.clone(), v.clone()
             return
-        if layer not in self.keys:
+        if layer not in self.keys:  # (a static cache has every layer from the start: no allocation here)
             self.keys[layer] = k.new_zeros((self.batch_size, *k.shape[1:]))
             self.values[layer] = v.new_zeros((self.batch_size, *v.shape[1:]))
         self.keys[layer][rows] = k
@@ -100,6 +113,9 @@ class SpatialKVCache:
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
+        if self.static:
+            raise TDLMError("a static spatial KV cache keeps every row in place until the batch ends; select() "
+                            "would move it")  # fmt: skip
         index = index.to(torch.long)
         for store in (self.keys, self.values):
             for layer, t in store.items():

@@ -135,6 +135,7 @@ class LLaDA(Backbone):
         self.pad_token_id = cfg.pad_token_id
         self.vocab_size = cfg.embedding_size
         self.num_layers = cfg.n_layers
+        self.kv_heads = cfg.n_kv_heads
         self.hidden_size = cfg.d_model
         self.head_dim = cfg.d_model // cfg.n_heads
         self.rope_theta = cfg.rope_theta
