@@ -6,6 +6,8 @@ Commands (from the repository root, venv active)::
     python bench/decode_speed.py --suite tiny --rounds 7 # only the demo's setting
     python bench/decode_speed.py --profile               # + where TDLM's extra time goes (torch.profiler)
     python bench/decode_speed.py --quick                 # small shapes, 2 rounds; prints only unless --out is given
+    python bench/decode_speed.py --storage dynamic,static # the static storage plan beside the dynamic one (issue 41)
+                                                         #   -> bench/results/decode_speed_storage.json
 
 **Settings.**
 
@@ -28,6 +30,12 @@ backbone per NFE as min/min and as the median of per-round ratios, and compiled 
 
 **Targets** (issue 26): TDLM <= 1.15x the backbone per evaluation on ``tiny``, eager and compiled; <= 1.10x on
 ``medium``, uncached and dual; compiled never slower than eager for TDLM. The verdict uses min/min.
+
+``--storage dynamic,static`` (issue 41) adds the static storage plan (``DecodeConfig.storage="static"``: buffers at
+fixed addresses, batch buckets with padding rows, prompts padded to 32 tokens, finished rows kept; what CUDA graphs
+need) as candidates ``backbone@static`` and ``tdlm@static`` beside the dynamic plan's in the same rounds, and reports
+static / dynamic per NFE for each method and mode; the CPU rule: a plan that runs by default may not be more than 5%
+slower per NFE than the other (``static_within_5pct``), else the CPU keeps the dynamic default.
 
 ``--profile`` adds, per setting, the self CPU time per evaluation of every aten op (eager) and of every inductor
 kernel (compiled, ``torch._inductor.config.cpp.enable_kernel_profile``) for one decode of each method, and the
@@ -58,7 +66,8 @@ MEDIUM = dict(
     d_model=512, n_layers=8, n_heads=8, n_kv_heads=8, mlp_hidden_size=1376, vocab_size=1024,
     embedding_size=1024, mask_token_id=2, eos_token_id=1, pad_token_id=0, torch_dtype="float32",
 )  # fmt: skip
-TARGETS = {"tiny": 1.15, "medium": 1.10, "compiled_over_eager_max": 1.0}
+TARGETS = {"tiny": 1.15, "medium": 1.10, "compiled_over_eager_max": 1.0, "static_over_dynamic_max": 1.05}
+STORAGE_RESULTS = REPO / "bench" / "results" / "decode_speed_storage.json"
 MODES = (("eager", False), ("compiled", True))
 
 
@@ -103,17 +112,22 @@ def medium_settings(head_scale: float, history: str, quick: bool) -> list[dict]:
              "kw": {}, "target": TARGETS["medium"]} for cache in ("none", "dual")]  # fmt: skip
 
 
-def candidates(s: dict, compile_: str, modes=MODES) -> dict:
+def candidates(s: dict, compile_: str, modes=MODES, static: bool = False) -> dict:
+    """``method/mode`` -> a decode of the setting's batch; ``static``: also ``method@static/mode``, the same decode
+    under the static storage plan (and no W_O = 0 row)."""
     model = s["model"]
     out = {}
-    methods = [("backbone", model.backbone, "threshold"), ("tdlm", model, "tdlm")]
-    if s.get("zero") is not None:
-        methods.append(("tdlm-zero", s["zero"], "tdlm"))
-    for method, target, policy in methods:
+    methods = [("backbone", model.backbone, "threshold", "dynamic"), ("tdlm", model, "tdlm", "dynamic")]
+    if static:
+        methods += [("backbone@static", model.backbone, "threshold", "static"),
+                    ("tdlm@static", model, "tdlm", "static")]
+    elif s.get("zero") is not None:
+        methods.append(("tdlm-zero", s["zero"], "tdlm", "dynamic"))
+    for method, target, policy, storage in methods:
         for mode, comp in modes:
             c = compile_ if comp else False
-            out[f"{method}/{mode}"] = (lambda t=target, p=policy, c=c: tdlm.decode(t, s["prompts"], s["cfg"], policy=p,
-                                                                                 compile=c, **s["kw"]))
+            out[f"{method}/{mode}"] = (lambda t=target, p=policy, c=c, st=storage: tdlm.decode(
+                t, s["prompts"], s["cfg"], policy=p, compile=c, storage=st, **s["kw"]))
     return out
 
 
@@ -129,8 +143,8 @@ def batch_nfe(results) -> float:
     return sum(r.nfe for r in results) / len(results)
 
 
-def measure(s: dict, rounds: int, compile_: str, modes=MODES) -> dict:
-    cands = candidates(s, compile_, modes)
+def measure(s: dict, rounds: int, compile_: str, modes=MODES, static: bool = False) -> dict:
+    cands = candidates(s, compile_, modes, static)
     print(f"[{s['label']}] warm-up (compiles the compiled rows' graphs) ...", file=sys.stderr, flush=True)
     t = interleaved(cands, rounds, warmup=1)
     per = lambda x: batch_nfe(x.value)  # noqa: E731
@@ -151,7 +165,14 @@ def measure(s: dict, rounds: int, compile_: str, modes=MODES) -> dict:
            "modes": [m for m, _ in modes],
            "tdlm_over_backbone": {m: ratio(ms[f"tdlm/{m}"], ms[f"backbone/{m}"]) for m, _ in modes},
            "target_tdlm_over_backbone_max": s["target"]}  # fmt: skip
-    if s.get("zero") is not None:  # identical trajectories: per evaluation is exact
+    if static:  # the same requests, the same tokens (tests/test_static_*.py): per NFE of the requests' rows
+        res["static_over_dynamic"] = {m: {method: ratio(ms[f"{method}@static/{m}"], ms[f"{method}/{m}"])
+                                          for method in ("backbone", "tdlm")} for m, _ in modes}
+        res["static_same_tokens"] = all(toks[f"{method}@static/{m}"][0] == toks[f"{method}/{m}"][0]
+                                        for method in ("backbone", "tdlm") for m, _ in modes)
+        res["static_within_5pct"] = {f"{method}/{m}": q["of_min"] <= TARGETS["static_over_dynamic_max"]
+                                     for m, by in res["static_over_dynamic"].items() for method, q in by.items()}
+    if s.get("zero") is not None and not static:  # identical trajectories: per evaluation is exact
         res["tdlm_zero_over_backbone_per_evaluation"] = {
             m: ratio(per_eval[f"tdlm-zero/{m}"], per_eval[f"backbone/{m}"]) for m, _ in modes}
         res["tdlm_zero_same_tokens_as_backbone"] = all(
@@ -220,6 +241,22 @@ def table(results: list[dict]) -> list[str]:
     return lines
 
 
+def storage_table(results: list[dict]) -> list[str]:
+    """static / dynamic per NFE of each setting, method and mode (min/min and median of per-round ratios)."""
+    lines = ["| setting | mode | method | dynamic ms/NFE (min) | static ms/NFE (min) | static / dynamic (min / median) "
+             "| <= 1.05 | same tokens |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for res in results:
+        by = {(r["method"], r["mode"]): r for r in res["rows"]}
+        for mode in res["modes"]:
+            for method in ("backbone", "tdlm"):
+                q = res["static_over_dynamic"][mode][method]
+                d, st = by[(method, mode)]["ms_per_nfe"]["min"], by[(f"{method}@static", mode)]["ms_per_nfe"]["min"]
+                ok = "yes" if res["static_within_5pct"][f"{method}/{mode}"] else "no"
+                lines.append(f"| {res['label']} | {mode} | {method} | {d:.2f} | {st:.2f} | {q['of_min']:.3f} / "
+                             f"{q['median_of_rounds']:.3f} | {ok} | {res['static_same_tokens']} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", choices=("tiny", "medium", "all"), default="all")
@@ -233,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="add per-op / per-kernel profiles")
     ap.add_argument("--modes", default="eager,compiled", help="comma-separated subset of eager,compiled")
     ap.add_argument("--quick", action="store_true", help="batch 8, medium 64 + 64, 2 rounds")
+    ap.add_argument("--storage", default="dynamic", help="dynamic, or dynamic,static: the static storage plan's "
+                    "candidates beside the dynamic plan's (JSON to bench/results/decode_speed_storage.json)")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(REPO)}; none with --quick)")
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
@@ -240,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = tuple(m for m in MODES if m[0] in args.modes.split(","))
     if not modes or len(modes) != len(set(args.modes.split(","))):
         ap.error(f"--modes {args.modes!r}: expected a comma-separated subset of eager,compiled")
+    if args.storage not in ("dynamic", "dynamic,static"):
+        ap.error(f"--storage {args.storage!r}: expected dynamic or dynamic,static")
+    static = args.storage == "dynamic,static"
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
     settings = []
@@ -255,20 +297,26 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for s in settings:
             rounds = args.rounds or (2 if args.quick else 7 if s["name"] == "tiny" else 3)
-            results.append(measure(s, rounds, args.compile, modes))
+            results.append(measure(s, rounds, args.compile, modes, static))
             print("\n".join(table(results[-1:])[2:]), flush=True)
+            if static:
+                print("\n".join(storage_table(results[-1:])[2:]), flush=True)
             if args.profile:
                 profiles[s["name"]] = profile(s, args.compile)
     lines = table(results)
     print("\n" + "\n".join(lines))
+    if static:
+        lines = storage_table(results)
+        print("\n" + "\n".join(lines))
     result = {"machine": machine(), "load_before": load0, "load_after": os.getloadavg()[0],
               "settings": {"suite": args.suite, "batch": args.batch, "adapter": str(args.adapter),
                            "head_scale": args.head_scale, "history": args.history, "threads": args.threads,
                            "compile": args.compile, "modes": args.modes, "quick": args.quick, "medium": MEDIUM,
+                           "storage": args.storage,
                            "clock": "process CPU seconds / mean NFE of the batch's rows"},
               "targets": TARGETS, "results": results, "table": lines,
               **({"profile": profiles} if profiles else {})}  # fmt: skip
-    out = args.out or (None if args.quick else RESULTS)
+    out = args.out or (None if args.quick else STORAGE_RESULTS if static else RESULTS)
     if out:
         write_result(out, result)
     return 0

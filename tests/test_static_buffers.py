@@ -216,3 +216,31 @@ def test_every_tensor_a_compiled_step_writes_stays_at_one_address_through_two_de
                 assert any(len(p) > 1 for p in dyn.values()), "the dynamic plan's tensors never moved"
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cache,bound", [("none", 1), ("prefix", 3), ("dual", 2)])
+def test_a_static_256_token_decode_compiles_a_fixed_number_of_graphs_and_a_second_decode_none(cache, bound):
+    """Batch 1, 256 tokens in blocks of 32 (8 blocks), tdlm ``full``, dynamo's ``eager`` backend: the static plan's
+    graphs are uncached 1; dual: refresh and window (2; the window's history columns are looked up, one shape in
+    every block); prefix: refresh, window, the window again with a dynamic width (3); whatever the steps and blocks.
+    A second decode of another prompt of another length in the same prompt bucket compiles nothing; both decode
+    eager's tokens, NFE and reveal steps. (Not compared with the dynamic plan here: this sharp toy repeats tokens whose
+    confidences tie to the last bits, so 1e-7 decides which of two positions an evaluation commits first; the static
+    and dynamic plans are compared on the other tests' shapes.)"""
+    from torch._dynamo.utils import counters
+
+    model = live_tdlm(sharp_backbone("tiny-llada"), history="full")
+    kw = dict(policy="tdlm", cache=cache, gen_length=256, block_size=32, threshold=0.6)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        graphs = []
+        for prompt in ([3, 4, 40, 41, 42], [3, 4, 50, 51, 52, 53, 54, 55]):
+            compiled = decode(model, [prompt], storage="static", compile="eager", **kw)
+            graphs.append(counters["stats"]["unique_graphs"])
+            assert compiled[0].nfe > 256 // 32, "too few evaluations to show the bound"
+            assert _key(compiled) == _key(decode(model, [prompt], storage="static", **kw))
+        assert 1 <= graphs[0] <= bound and graphs[1] == graphs[0], graphs
+        assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()

@@ -79,9 +79,9 @@ class EvalConfig:
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); the warm-up
     # decodes compile, so timed seconds exclude compilation
     compile: bool | str = DecodeConfig.compile
-    # where the decode keeps its temporal history (tdlm.DecodeConfig.storage): dynamic | static (allocated once at
-    # fixed addresses, what CUDA graphs need; cache none only, no latent:M history). Tokens equal: like compile, not
-    # part of a run's identity, so either resumes the other's runs
+    # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (history, KV cache
+    # and canvas allocated once per bucket at fixed addresses, what CUDA graphs need; no latent:M history). Tokens
+    # equal: like compile, not part of a run's identity, so either resumes the other's runs
     storage: str = DecodeConfig.storage
     # run settings (may change on resume)
     workers: int | None = None  # shards / Ray actors; None = one per visible GPU (min 1); 1 = in-process, no Ray

@@ -63,8 +63,8 @@ class GenerationConfig:
     batch_size: int = 1408
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); tokens equal
     compile: bool | str = DecodeConfig.compile
-    # where the decode keeps its temporal history (tdlm.DecodeConfig.storage): dynamic | static (allocated once at
-    # fixed addresses, what CUDA graphs need; cache none only, no latent:M adapter); tokens equal
+    # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (history, KV cache
+    # and canvas allocated once per bucket at fixed addresses, what CUDA graphs need; no latent:M adapter); tokens equal
     storage: str = DecodeConfig.storage
     actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
     cpus_per_actor: int = 1  # CPU actors: torch threads per replica

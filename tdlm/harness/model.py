@@ -65,8 +65,8 @@ class HarnessConfig:
     history: str | None = None  # tdlm history restriction (None = the adapter's own)
     cache: str = "none"  # spatial KV cache: none | prefix | dual
     compile: bool | str = False  # torch.compile the decode step: false | true | reduce-overhead (tdlm.DecodeConfig)
-    # where the decode keeps its temporal history (tdlm.DecodeConfig.storage): dynamic | static (fixed addresses, what
-    # CUDA graphs need; cache none only, no latent:M history); tokens equal
+    # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (fixed addresses,
+    # what CUDA graphs need; no latent:M history); tokens equal
     storage: str = "dynamic"
     stop_at_eos: bool = False
     chat: bool = True  # wrap a raw context as a user message through the chat template
