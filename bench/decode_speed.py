@@ -8,6 +8,8 @@ Commands (from the repository root, venv active)::
     python bench/decode_speed.py --quick                 # small shapes, 2 rounds; prints only unless --out is given
     python bench/decode_speed.py --storage dynamic,static # the static storage plan beside the dynamic one (issue 41)
                                                          #   -> bench/results/decode_speed_storage.json
+    python bench/decode_speed.py --against REV           # the decoding loop of git revision REV beside today's
+                                                         #   -> bench/results/decode_speed_against.json
 
 **Settings.**
 
@@ -36,6 +38,11 @@ fixed addresses, batch buckets with padding rows, prompts padded to 32 tokens, f
 need) as candidates ``backbone@static`` and ``tdlm@static`` beside the dynamic plan's in the same rounds, and reports
 static / dynamic per NFE for each method and mode; the CPU rule: a plan that runs by default may not be more than 5%
 slower per NFE than the other (``static_within_5pct``), else the CPU keeps the dynamic default.
+
+``--against REV`` adds the candidates ``backbone@REV`` and ``tdlm@REV``: the same decodes through
+``tdlm/decoding/loop.py`` as it was at git revision REV (loaded from ``git show`` into a module of its own; every other
+module is today's), beside today's loop in the same rounds, and reports today / REV per NFE (a change of the loop may
+not slow the plan that runs by default by more than 5%: ``now_within_5pct``).
 
 ``--profile`` adds, per setting, the self CPU time per evaluation of every aten op (eager) and of every inductor
 kernel (compiled, ``torch._inductor.config.cpp.enable_kernel_profile``) for one decode of each method, and the
@@ -68,6 +75,23 @@ MEDIUM = dict(
 )  # fmt: skip
 TARGETS = {"tiny": 1.15, "medium": 1.10, "compiled_over_eager_max": 1.0, "static_over_dynamic_max": 1.05}
 STORAGE_RESULTS = REPO / "bench" / "results" / "decode_speed_storage.json"
+AGAINST_RESULTS = REPO / "bench" / "results" / "decode_speed_against.json"
+
+
+def loop_at(rev: str):
+    """``tdlm/decoding/loop.py`` as it was at git revision ``rev``, as a module of its own (its imports are today's)."""
+    import subprocess
+    import types
+
+    try:
+        src = subprocess.run(["git", "show", f"{rev}:tdlm/decoding/loop.py"], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise TDLMError(f"--against {rev}: git cannot show tdlm/decoding/loop.py at that revision ({e})") from None
+    mod = types.ModuleType(f"tdlm_decoding_loop_at_{rev}")
+    mod.__file__ = f"{rev}:tdlm/decoding/loop.py"
+    exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - this repository's own history
+    return mod
 MODES = (("eager", False), ("compiled", True))
 
 
@@ -112,22 +136,29 @@ def medium_settings(head_scale: float, history: str, quick: bool) -> list[dict]:
              "kw": {}, "target": TARGETS["medium"]} for cache in ("none", "dual")]  # fmt: skip
 
 
-def candidates(s: dict, compile_: str, modes=MODES, static: bool = False) -> dict:
+def candidates(s: dict, compile_: str, modes=MODES, static: bool = False, against: tuple | None = None) -> dict:
     """``method/mode`` -> a decode of the setting's batch; ``static``: also ``method@static/mode``, the same decode
-    under the static storage plan (and no W_O = 0 row)."""
+    under the static storage plan; ``against`` (rev, loop module): also ``method@rev/mode`` through that loop (either
+    way no W_O = 0 row)."""
     model = s["model"]
     out = {}
-    methods = [("backbone", model.backbone, "threshold", "dynamic"), ("tdlm", model, "tdlm", "dynamic")]
+    methods = [("backbone", model.backbone, "threshold", "dynamic", tdlm.decode), ("tdlm", model, "tdlm", "dynamic",
+                                                                                  tdlm.decode)]  # fmt: skip
     if static:
-        methods += [("backbone@static", model.backbone, "threshold", "static"),
-                    ("tdlm@static", model, "tdlm", "static")]
-    elif s.get("zero") is not None:
-        methods.append(("tdlm-zero", s["zero"], "tdlm", "dynamic"))
-    for method, target, policy, storage in methods:
+        methods += [("backbone@static", model.backbone, "threshold", "static", tdlm.decode),
+                    ("tdlm@static", model, "tdlm", "static", tdlm.decode)]
+    if against is not None:
+        rev, old = against
+        methods += [(f"backbone@{rev}", model.backbone, "threshold", None, old.decode),
+                    (f"tdlm@{rev}", model, "tdlm", None, old.decode)]
+    if s.get("zero") is not None and not static and against is None:
+        methods.append(("tdlm-zero", s["zero"], "tdlm", "dynamic", tdlm.decode))
+    for method, target, policy, storage, fn in methods:
         for mode, comp in modes:
             c = compile_ if comp else False
-            out[f"{method}/{mode}"] = (lambda t=target, p=policy, c=c, st=storage: tdlm.decode(
-                t, s["prompts"], s["cfg"], policy=p, compile=c, storage=st, **s["kw"]))
+            plan = {} if storage is None else {"storage": storage}  # (a loop before the storage plans has no field)
+            out[f"{method}/{mode}"] = (lambda t=target, p=policy, c=c, plan=plan, fn=fn: fn(
+                t, s["prompts"], s["cfg"], policy=p, compile=c, **plan, **s["kw"]))
     return out
 
 
@@ -143,8 +174,9 @@ def batch_nfe(results) -> float:
     return sum(r.nfe for r in results) / len(results)
 
 
-def measure(s: dict, rounds: int, compile_: str, modes=MODES, static: bool = False) -> dict:
-    cands = candidates(s, compile_, modes, static)
+def measure(s: dict, rounds: int, compile_: str, modes=MODES, static: bool = False,
+            against: tuple | None = None) -> dict:  # fmt: skip
+    cands = candidates(s, compile_, modes, static, against)
     print(f"[{s['label']}] warm-up (compiles the compiled rows' graphs) ...", file=sys.stderr, flush=True)
     t = interleaved(cands, rounds, warmup=1)
     per = lambda x: batch_nfe(x.value)  # noqa: E731
@@ -172,7 +204,16 @@ def measure(s: dict, rounds: int, compile_: str, modes=MODES, static: bool = Fal
                                         for method in ("backbone", "tdlm") for m, _ in modes)
         res["static_within_5pct"] = {f"{method}/{m}": q["of_min"] <= TARGETS["static_over_dynamic_max"]
                                      for m, by in res["static_over_dynamic"].items() for method, q in by.items()}
-    if s.get("zero") is not None and not static:  # identical trajectories: per evaluation is exact
+    if against is not None:  # the same decodes through the loop at rev: today / rev per NFE
+        rev = against[0]
+        res["against"] = rev
+        res["now_over_rev"] = {m: {method: ratio(ms[f"{method}/{m}"], ms[f"{method}@{rev}/{m}"])
+                                   for method in ("backbone", "tdlm")} for m, _ in modes}
+        res["rev_same_tokens"] = all(toks[f"{method}@{rev}/{m}"][0] == toks[f"{method}/{m}"][0]
+                                     for method in ("backbone", "tdlm") for m, _ in modes)
+        res["now_within_5pct"] = {f"{method}/{m}": q["of_min"] <= TARGETS["static_over_dynamic_max"]
+                                  for m, by in res["now_over_rev"].items() for method, q in by.items()}
+    if s.get("zero") is not None and not static and against is None:  # identical trajectories: per evaluation
         res["tdlm_zero_over_backbone_per_evaluation"] = {
             m: ratio(per_eval[f"tdlm-zero/{m}"], per_eval[f"backbone/{m}"]) for m, _ in modes}
         res["tdlm_zero_same_tokens_as_backbone"] = all(
@@ -243,17 +284,31 @@ def table(results: list[dict]) -> list[str]:
 
 def storage_table(results: list[dict]) -> list[str]:
     """static / dynamic per NFE of each setting, method and mode (min/min and median of per-round ratios)."""
-    lines = ["| setting | mode | method | dynamic ms/NFE (min) | static ms/NFE (min) | static / dynamic (min / median) "
-             "| <= 1.05 | same tokens |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    return _pair_table(results, "static", "dynamic", "static", "static_over_dynamic", "static_within_5pct",
+                       "static_same_tokens")  # fmt: skip
+
+
+def against_table(results: list[dict]) -> list[str]:
+    """today / the loop at rev per NFE of each setting, method and mode."""
+    rev = results[0]["against"] if results else "?"
+    return _pair_table(results, rev, rev, "today", "now_over_rev", "now_within_5pct", "rev_same_tokens",
+                       new_is_base=True)  # fmt: skip
+
+
+def _pair_table(results, suffix: str, old: str, new: str, key: str, ok_key: str, same_key: str,
+                new_is_base: bool = False) -> list[str]:  # fmt: skip
+    lines = [f"| setting | mode | method | {old} ms/NFE (min) | {new} ms/NFE (min) | {new} / {old} (min / median) "
+             f"| <= 1.05 | same tokens |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for res in results:
         by = {(r["method"], r["mode"]): r for r in res["rows"]}
         for mode in res["modes"]:
             for method in ("backbone", "tdlm"):
-                q = res["static_over_dynamic"][mode][method]
-                d, st = by[(method, mode)]["ms_per_nfe"]["min"], by[(f"{method}@static", mode)]["ms_per_nfe"]["min"]
-                ok = "yes" if res["static_within_5pct"][f"{method}/{mode}"] else "no"
-                lines.append(f"| {res['label']} | {mode} | {method} | {d:.2f} | {st:.2f} | {q['of_min']:.3f} / "
-                             f"{q['median_of_rounds']:.3f} | {ok} | {res['static_same_tokens']} |")
+                q = res[key][mode][method]
+                a, b = by[(method, mode)]["ms_per_nfe"]["min"], by[(f"{method}@{suffix}", mode)]["ms_per_nfe"]["min"]
+                o, n = (b, a) if new_is_base else (a, b)
+                ok = "yes" if res[ok_key][f"{method}/{mode}"] else "no"
+                lines.append(f"| {res['label']} | {mode} | {method} | {o:.2f} | {n:.2f} | {q['of_min']:.3f} / "
+                             f"{q['median_of_rounds']:.3f} | {ok} | {res[same_key]} |")
     return lines
 
 
@@ -272,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="batch 8, medium 64 + 64, 2 rounds")
     ap.add_argument("--storage", default="dynamic", help="dynamic, or dynamic,static: the static storage plan's "
                     "candidates beside the dynamic plan's (JSON to bench/results/decode_speed_storage.json)")
+    ap.add_argument("--against", default=None, metavar="REV", help="also decode through tdlm/decoding/loop.py at git "
+                    "revision REV, side by side (JSON to bench/results/decode_speed_against.json)")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(REPO)}; none with --quick)")
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
@@ -282,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.storage not in ("dynamic", "dynamic,static"):
         ap.error(f"--storage {args.storage!r}: expected dynamic or dynamic,static")
     static = args.storage == "dynamic,static"
+    against = None
+    if args.against:
+        try:
+            against = (args.against, loop_at(args.against))
+        except TDLMError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
     settings = []
@@ -297,10 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for s in settings:
             rounds = args.rounds or (2 if args.quick else 7 if s["name"] == "tiny" else 3)
-            results.append(measure(s, rounds, args.compile, modes, static))
+            results.append(measure(s, rounds, args.compile, modes, static, against))
             print("\n".join(table(results[-1:])[2:]), flush=True)
             if static:
                 print("\n".join(storage_table(results[-1:])[2:]), flush=True)
+            if against:
+                print("\n".join(against_table(results[-1:])[2:]), flush=True)
             if args.profile:
                 profiles[s["name"]] = profile(s, args.compile)
     lines = table(results)
@@ -308,15 +374,18 @@ def main(argv: list[str] | None = None) -> int:
     if static:
         lines = storage_table(results)
         print("\n" + "\n".join(lines))
+    if against:
+        lines = against_table(results)
+        print("\n" + "\n".join(lines))
     result = {"machine": machine(), "load_before": load0, "load_after": os.getloadavg()[0],
               "settings": {"suite": args.suite, "batch": args.batch, "adapter": str(args.adapter),
                            "head_scale": args.head_scale, "history": args.history, "threads": args.threads,
                            "compile": args.compile, "modes": args.modes, "quick": args.quick, "medium": MEDIUM,
-                           "storage": args.storage,
+                           "storage": args.storage, "against": args.against,
                            "clock": "process CPU seconds / mean NFE of the batch's rows"},
               "targets": TARGETS, "results": results, "table": lines,
               **({"profile": profiles} if profiles else {})}  # fmt: skip
-    out = args.out or (None if args.quick else STORAGE_RESULTS if static else RESULTS)
+    out = args.out or (None if args.quick else AGAINST_RESULTS if against else STORAGE_RESULTS if static else RESULTS)
     if out:
         write_result(out, result)
     return 0

@@ -481,8 +481,9 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         am.copy_(host_am)
         reveal.zero_()
         nfe.zero_()
-    # known on the host: no device read; the static plan always passes the mask (one graph kind for every bucket)
-    padded = static or any(len(p) < P for p in prompts)
+    # known on the host: no device read. A mask only when a row is padded: attention with a mask runs slower kernels
+    # (on a GPU SDPA's flash kernel takes none); the static plan then has an unpadded and a padded graph per kind
+    padded = any(len(p) < P for p in prompts)
     seconds = [0.0] * B
     states: list[list[list[int]]] = [[] for _ in range(B)]
     active = torch.arange(B, device=device)

@@ -9,8 +9,8 @@ the rest, as the graph pools of dInfer and SGLang do:
 * **batch buckets** 1, 2, 4, 8, ...: a batch of B requests decodes in :func:`batch_bucket` (B) rows, the rest
   padding rows that start finished (their response holds no mask, so they commit nothing and count no NFE);
 * **prompt buckets** of :data:`PROMPT_BUCKET` tokens: prompts are left-padded to :func:`prompt_bucket` of the
-  longest, always with an attention mask, so prompts of other lengths in one bucket share a canvas length (and so
-  every buffer's shape and address, and the compiled graphs);
+  longest (with an attention mask, which a batch whose prompts all fill the bucket goes without), so prompts of other
+  lengths in one bucket share a canvas length (and so every buffer's shape and address, and the compiled graphs);
 * per (backbone, batch bucket, canvas length, cache mode): the canvas ids and attention mask, each row's reveal
   steps and NFE, and, with a cache, the spatial KV cache of every layer (:meth:`SpatialKVCache.allocate`).
 
