@@ -90,6 +90,7 @@ def loop_at(rev: str):
         raise TDLMError(f"--against {rev}: git cannot show tdlm/decoding/loop.py at that revision ({e})") from None
     mod = types.ModuleType(f"tdlm_decoding_loop_at_{rev}")
     mod.__file__ = f"{rev}:tdlm/decoding/loop.py"
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up there
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - this repository's own history
     return mod
 MODES = (("eager", False), ("compiled", True))
@@ -198,21 +199,12 @@ def measure(s: dict, rounds: int, compile_: str, modes=MODES, static: bool = Fal
            "tdlm_over_backbone": {m: ratio(ms[f"tdlm/{m}"], ms[f"backbone/{m}"]) for m, _ in modes},
            "target_tdlm_over_backbone_max": s["target"]}  # fmt: skip
     if static:  # the same requests, the same tokens (tests/test_static_*.py): per NFE of the requests' rows
-        res["static_over_dynamic"] = {m: {method: ratio(ms[f"{method}@static/{m}"], ms[f"{method}/{m}"])
-                                          for method in ("backbone", "tdlm")} for m, _ in modes}
-        res["static_same_tokens"] = all(toks[f"{method}@static/{m}"][0] == toks[f"{method}/{m}"][0]
-                                        for method in ("backbone", "tdlm") for m, _ in modes)
-        res["static_within_5pct"] = {f"{method}/{m}": q["of_min"] <= TARGETS["static_over_dynamic_max"]
-                                     for m, by in res["static_over_dynamic"].items() for method, q in by.items()}
+        keys = ("static_over_dynamic", "static_same_tokens", "static_within_5pct")
+        res.update(zip(keys, _paired(ms, toks, modes, "@static", ""), strict=True))
     if against is not None:  # the same decodes through the loop at rev: today / rev per NFE
-        rev = against[0]
-        res["against"] = rev
-        res["now_over_rev"] = {m: {method: ratio(ms[f"{method}/{m}"], ms[f"{method}@{rev}/{m}"])
-                                   for method in ("backbone", "tdlm")} for m, _ in modes}
-        res["rev_same_tokens"] = all(toks[f"{method}@{rev}/{m}"][0] == toks[f"{method}/{m}"][0]
-                                     for method in ("backbone", "tdlm") for m, _ in modes)
-        res["now_within_5pct"] = {f"{method}/{m}": q["of_min"] <= TARGETS["static_over_dynamic_max"]
-                                  for m, by in res["now_over_rev"].items() for method, q in by.items()}
+        res["against"] = against[0]
+        keys = ("now_over_rev", "rev_same_tokens", "now_within_5pct")
+        res.update(zip(keys, _paired(ms, toks, modes, "", f"@{against[0]}"), strict=True))
     if s.get("zero") is not None and not static and against is None:  # identical trajectories: per evaluation
         res["tdlm_zero_over_backbone_per_evaluation"] = {
             m: ratio(per_eval[f"tdlm-zero/{m}"], per_eval[f"backbone/{m}"]) for m, _ in modes}
@@ -225,6 +217,16 @@ def measure(s: dict, rounds: int, compile_: str, modes=MODES, static: bool = Fal
         res["verdict"]["tdlm_compiled_not_slower"] = (res["compiled_over_eager"]["tdlm"]["of_min"]
                                                       <= TARGETS["compiled_over_eager_max"])
     return res
+
+
+def _paired(ms: dict, toks: dict, modes, new: str, old: str) -> tuple[dict, bool, dict]:
+    """For backbone and tdlm in each mode: ``method{new}`` / ``method{old}`` per NFE, whether the two decoded the same
+    tokens, and whether each ratio (min/min) is within the 5% rule."""
+    methods = ("backbone", "tdlm")
+    q = {m: {k: ratio(ms[f"{k}{new}/{m}"], ms[f"{k}{old}/{m}"]) for k in methods} for m, _ in modes}
+    same = all(toks[f"{k}{new}/{m}"][0] == toks[f"{k}{old}/{m}"][0] for k in methods for m, _ in modes)
+    ok = {f"{k}/{m}": r["of_min"] <= TARGETS["static_over_dynamic_max"] for m, by in q.items() for k, r in by.items()}
+    return q, same, ok
 
 
 def _op_table(prof, per: int, top: int = 40) -> dict[str, float]:

@@ -87,11 +87,14 @@ def test_every_policy_with_a_kv_cache_decodes_under_the_static_plan_what_it_does
 
 @pytest.mark.parametrize("name", BACKBONES)
 def test_a_batch_in_a_larger_bucket_and_a_stop_token_decode_as_the_dynamic_plan(backbones, name, monkeypatch):
-    """Five requests in bucket 8 (three padding rows), and rows that stop early at a stop token, with each cache."""
+    """Five requests in bucket 8 (three padding rows), rows that stop early at a stop token, and one prompt that fills
+    its 32-token bucket (decoded without an attention mask), with each cache."""
     bb = backbones[name]
     five = [*PROMPTS_A, *PROMPTS_B[:2]]
     stop = {"tiny-llada": [91], "tiny-dream": [23]}[name]
+    full = [[3, 4, *range(40, 70)]]
     for cache in ("none", "prefix", "dual"):
+        _same_as_dynamic(bb, full, monkeypatch, policy="threshold", cache=cache, **KW)
         _same_as_dynamic(bb, five, monkeypatch, policy="threshold", cache=cache, **KW)
         _same_as_dynamic(bb, PROMPTS_A, monkeypatch, policy="threshold", cache=cache, stop_at_eos=True,
                          stop_ids=stop, **dict(KW, threshold=0.6))  # fmt: skip
