@@ -15,7 +15,7 @@ import torch
 
 from tdlm.decoding import decode, loop
 from tdlm.decoding.loop import POLICIES
-from tdlm.decoding.static_plan import batch_bucket, kv_cache_bytes, prompt_bucket, static_bytes
+from tdlm.decoding.static_plan import batch_bucket, kv_cache_bytes, prompt_bucket, static_bytes, static_canvas
 from tdlm.models.kv_cache import SpatialKVCache
 from tdlm.temporal.history import TemporalCache
 from tests.conftest import live_tdlm, sharp_backbone
@@ -118,6 +118,10 @@ def test_the_held_buffers_are_one_set_per_bucket_and_their_bytes_are_stated(back
     assert first == kv + canvas
     decode(bb, PROMPTS_A[:1], cache="dual", storage="static", **KW)  # bucket 1: a second set
     assert static_bytes(bb) == first + (kv + canvas) // 4
+    # the padding row of the 3-request batch (bucket 4) decoded nothing: no NFE, no reveal, no mask in its response
+    held = static_canvas(bb, B, L, KW["gen_length"], "dual")
+    assert held.nfe[3].item() == 0 and not held.reveal[3].any() and not (held.ids[3, 32:] == bb.mask_token_id).any()
+    assert held.nfe[:3].min().item() > 0
 
 
 # -- compiled steps: every tensor a step writes stays at one address ------------------------------------------------
@@ -247,3 +251,31 @@ def test_a_static_256_token_decode_compiles_a_fixed_number_of_graphs_and_a_secon
         assert counters["graph_break"] == {}, dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_finished_or_padding_row_is_never_refreshed_again(backbones, cache, monkeypatch):
+    """Under the static plan a row that is done (a padding row from the start, a request once it finished, here at a
+    stop token before the last block) rides the window steps: no refresh after the first evaluation includes it (a
+    refresh is a full forward of its canvas)."""
+    refreshed: list[set[int]] = []  # per evaluation: the rows of its refresh forward
+    orig = loop._groups
+
+    def run(kv_cache, blk, kv_blk, *args):
+        groups = orig(kv_cache, blk, kv_blk, *args)
+        rows: set[int] = set()
+        for r, step in groups:
+            if step is not None and step.refresh:
+                rows |= set(range(len(blk))) if r is None else set(r.tolist())
+        refreshed.append(rows)
+        return groups
+
+    monkeypatch.setattr(loop, "_groups", run)
+    res = decode(backbones["tiny-llada"], PROMPTS_A, cache=cache, storage="static",
+                 stop_at_eos=True, stop_ids=[91], **dict(KW, gen_length=32))  # fmt: skip
+    nfe = [r.nfe for r in res]
+    assert len(set(nfe)) > 1 and refreshed[0] == {0, 1, 2, 3}  # rows finish apart; everyone refreshes first
+    for i, rows in enumerate(refreshed[1:], start=1):
+        done = {3} | {r for r in range(3) if nfe[r] <= i}
+        assert not rows & done, (i, rows, done)
+    assert any(refreshed[1:]), "no later refresh at all: the test shows nothing"
