@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tdlm.training", "tdlm.generation", "tdlm.evaluation"),
     ("tdlm.hub",),  # adapter repositories and model cards (reads evaluation results)
     ("tdlm.sweep", "tdlm.harness"),
+    ("tdlm.onpolicy",),  # on-policy rounds: generation roll-outs + training launches (reuses the sweep's launcher)
     ("tdlm.demo",),
 ]
 FACADE = "tdlm"

@@ -58,6 +58,7 @@ from pathlib import Path
 
 from tdlm.config import diff_settings
 from tdlm.data.folder_lock import FolderLock
+from tdlm.data.onpolicy import ROLLOUT_KEY
 from tdlm.data.prompts import Prompt
 from tdlm.data.trajectories import TrajectoryRecord, fsync_file, read_parquet, write_error, write_parquet
 from tdlm.errors import TDLMError
@@ -263,8 +264,13 @@ class ShardStore:
                 raise TDLMError(f"{path} row {row}: prompt_text differs from the prompt source")
             if r.backbone_id != settings.get("backbone_id"):
                 raise TDLMError(f"{path} row {row}: backbone_id {r.backbone_id!r} != {settings.get('backbone_id')!r}")
-            if r.decode_settings != settings["decode"]:
+            own = {k: v for k, v in r.decode_settings.items() if k != ROLLOUT_KEY}  # a roll-out's per-record s*
+            if own != settings["decode"]:
                 raise TDLMError(f"{path} row {row}: decode_settings differ from {MANIFEST}")
+            rollout, got = settings.get("rollout"), r.decode_settings.get(ROLLOUT_KEY)
+            if (rollout is None) != (got is None) or (rollout and any(
+                    got.get(k) != rollout[k] for k in ("round", "adapter_version"))):  # fmt: skip
+                raise TDLMError(f"{path} row {row}: roll-out provenance {got!r} differs from {MANIFEST}")
             if len(r.response_ids) != settings["decode"]["gen_length"]:
                 raise TDLMError(f"{path} row {row}: response has {len(r.response_ids)} tokens, expected gen_length")
         return records
@@ -336,15 +342,19 @@ class ShardStore:
         }
 
     def write_shard(self, index: int, records: list[TrajectoryRecord], seconds: float, worker: dict,
-                    attempts: int) -> dict:  # fmt: skip
-        """Write one shard atomically; returns its manifest entry (call :meth:`commit` to list it)."""
+                    attempts: int, extra: dict | None = None) -> dict:  # fmt: skip
+        """Write one shard atomically; returns its manifest entry (call :meth:`commit` to list it). ``extra``: what
+        the worker measured beside the records (a roll-out's exposure-gap sums), kept in the entry."""
         assert self.manifest is not None, "check_actor_identity() creates the manifest before any shard"
         expected = [p.source_id for p in self.shard_prompts(index)]
         got = [r.source_id for r in records]
         if got != expected:  # a worker bug, never data to write
             raise TDLMError(f"shard {index}: worker returned prompts {got[:3]}... instead of {expected[:3]}...")
         path = write_parquet(records, self.root / shard_name(index))
-        return self._entry(index, path, records, seconds, worker, attempts)
+        entry = self._entry(index, path, records, seconds, worker, attempts)
+        if extra:
+            entry["extra"] = extra
+        return entry
 
     def commit(self, entry: dict) -> None:
         name = shard_name(entry["index"])

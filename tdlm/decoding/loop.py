@@ -383,6 +383,7 @@ def decode(
     stop_ids: set[int] | None = None,
     progress: bool = False,
     record_states: bool = False,
+    canvas: Sequence[Sequence[int]] | None = None,
     **overrides,
 ) -> list[DecodeResult]:
     """Decode a batch of prompts (token-id lists); returns one :class:`DecodeResult` per prompt.
@@ -405,7 +406,10 @@ def decode(
     block, after which dynamo makes it dynamic) and once when rows leave the batch (the batch size becomes
     dynamic); the history's bucket changes compile nothing (its slot count is dynamic from the start). So batch
     1, 256 tokens in blocks of 32: at most 3 graphs uncached, 4 with a cache, whatever the number of steps, blocks
-    or buckets. ``seconds`` exclude compilation: the wall time of every evaluation
+    or buckets. ``canvas`` continues partial responses: one list of ``gen_length`` token ids per prompt, the
+    backbone's mask id where the decode is to fill in (at least one per row); its other tokens stay, with reveal step
+    0, and NFE and reveal steps count from this decode (an on-policy roll-out, :mod:`tdlm.data.onpolicy`; the
+    backbone's own policies only). ``seconds`` exclude compilation: the wall time of every evaluation
     during which a graph was compiled is subtracted (with ``reduce-overhead`` the CUDA graph recording of
     the first calls is not: decode once to warm up, then time).
     """
@@ -439,16 +443,34 @@ def decode(
     bad = [i for i, p in enumerate(prompts) if len(p) == 0]
     if bad:
         raise TDLMError(f"decode: prompt(s) {bad} are empty; every request needs at least one prompt token")
+    if canvas is not None:
+        _check_canvas(canvas, len(prompts), cfg, backbone.mask_token_id)
     if spec is None:
-        return _decode(model, backbone, prompts, cfg, device, None, tokenizer, stop_ids, progress, record_states)
+        return _decode(model, backbone, prompts, cfg, device, None, tokenizer, stop_ids, progress, record_states,
+                       canvas)
     steps = compiled_steps(*spec)
     limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit, suppress_errors=False):
-        return _decode(model, backbone, prompts, cfg, device, steps, tokenizer, stop_ids, progress, record_states)
+        return _decode(model, backbone, prompts, cfg, device, steps, tokenizer, stop_ids, progress, record_states,
+                       canvas)
+
+
+def _check_canvas(canvas: Sequence[Sequence[int]], n: int, cfg: DecodeConfig, mask_id: int) -> None:
+    """One line for a ``canvas`` that does not fit the request (before anything is evaluated)."""
+    if cfg.policy == "tdlm":
+        raise TDLMError("decode: canvas= continues a partial response with the backbone's own policies; policy "
+                        "'tdlm' starts its temporal history at the first evaluation of a response")  # fmt: skip
+    if len(canvas) != n:
+        raise TDLMError(f"decode: canvas has {len(canvas)} rows for {n} prompts")
+    for i, row in enumerate(canvas):
+        if len(row) != cfg.gen_length:
+            raise TDLMError(f"decode: canvas row {i} has {len(row)} tokens; gen_length is {cfg.gen_length}")
+        if mask_id not in row:
+            raise TDLMError(f"decode: canvas row {i} holds no mask token ({mask_id}): nothing to decode")
 
 
 def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch.device, steps, tokenizer,
-            stop_ids, progress: bool, record_states: bool) -> list[DecodeResult]:  # fmt: skip
+            stop_ids, progress: bool, record_states: bool, canvas=None) -> list[DecodeResult]:  # fmt: skip
     backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
     mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
     stops = set(stop_ids) if stop_ids is not None else {backbone.eos_token_id}
@@ -471,6 +493,8 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
         host_ids[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
         host_am[i, P - len(p) :] = 1
     host_ids[:n_req, P:] = mask_id  # padding rows: a response of pad tokens, nothing to decode
+    if canvas is not None:  # partial responses: their revealed tokens stay (reveal step 0)
+        host_ids[:n_req, P:] = torch.as_tensor([list(r) for r in canvas], dtype=torch.long)
     if held is None:
         ids, am = host_ids.to(device), host_am.to(device)
         reveal = torch.zeros((B, G), dtype=torch.long, device=device)
@@ -492,6 +516,10 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     blk_host = [0 if i < n_req else last for i in range(B)]  # each active row's active block (the first, or done)
     kv_host = [-1] * B  # the block each active row's spatial KV cache holds
     left = [G if i < n_req else 0 for i in range(B)]  # masked response positions of each active row (progress)
+    if canvas is not None:  # a partial response's first masked position gives its first active block
+        for i, row in enumerate(canvas):
+            blk_host[i] = list(row).index(mask_id) // bs
+            left[i] = sum(t == mask_id for t in row)
     cache = model.new_cache(B, length=G, static=static) if cfg.policy == "tdlm" else None
     # per active row, for the history's front under the dual cache (window_front): its block at the last
     # compaction and that block's masked positions then (before any, storage column p holds position p)

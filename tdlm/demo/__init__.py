@@ -67,6 +67,7 @@ from tdlm.demo.findings import (  # noqa: F401  (the report's findings; their na
 )
 from tdlm.errors import TDLMError
 from tdlm.tasks.toydata import MULTI_GEN_LENGTH, MULTI_TEST_SIZE
+from tdlm.training.run_dir import free_port, training_resume_args  # noqa: F401  (the demo's stages use them)
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_BACKBONE = "tiny-multi"
@@ -217,37 +218,6 @@ def interrupt_after(stage: str) -> None:
     if want == stage:
         print(f"TDLM_DEMO_INTERRUPT={stage}: stopping after the {stage} stage", flush=True)
         sys.exit(130)
-
-
-def free_port() -> int:
-    """A free local TCP port for the training launch: DeepSpeed's default 29500 is taken by any other training
-    on the machine, and the launch then dies with EADDRINUSE."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def training_resume_args(train_dir: Path) -> list[str]:
-    """``--resume`` when ``train_dir`` holds a run that can continue (or is finished); a run that stopped before
-    its first verified checkpoint cannot, so its folder is moved aside and training starts over."""
-    from tdlm.training.run_dir import RUN_FILES, finished_step, newest_verified_tag
-
-    if not any((train_dir / name).exists() for name in RUN_FILES):
-        return []
-    if (train_dir / "run_config.json").exists():
-        if finished_step(train_dir) is not None:
-            return ["--resume"]
-        try:
-            newest_verified_tag(train_dir / "checkpoints")
-            return ["--resume"]
-        except TDLMError:
-            pass
-    dest = train_dir.with_name(f"{train_dir.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
-    os.replace(train_dir, dest)
-    print(f"{train_dir} stopped before its first checkpoint: moved to {dest}; training starts over", flush=True)
-    return []
 
 
 def cached_diagnostic(path: Path, adapter: Path, plan: DemoPlan) -> tuple[dict, list[dict] | None]:

@@ -20,6 +20,7 @@ from tdlm.generation.driver import HeadLost, generate
 # field <-> flag). Only names, choices and groups the fields cannot say themselves are listed.
 MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER = ("model", "prompts", "decoding (tdlm.decode)", "output",
                                              "cluster (may change when resuming)")
+ROLLOUT = "on-policy roll-out (set by ray_jobs/onpolicy.py)"
 FLAGS: dict[str, Flag] = {
     **{k: Flag(group=MODEL) for k in ("backbone", "adapter", "allow_other_backbone")},
     "dtype": Flag(choices=("float32", "bfloat16", "float16"), group=MODEL),
@@ -30,6 +31,8 @@ FLAGS: dict[str, Flag] = {
     **{k: Flag(group=DECODING) for k in ("entropy_threshold", "gen_length", "block_size", "stop_at_eos", "compile")},
     "cache": Flag(choices=CACHE_MODES, group=DECODING), "storage": Flag(choices=STORAGE_PLANS, group=DECODING),
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
+    **{k: Flag(group=ROLLOUT) for k in ("switch", "switch_seed", "round", "adapter_version", "gap_prompts")},
+    "teacher_policy": Flag(choices=[p for p in POLICIES if p != "tdlm"], group=ROLLOUT),
     **{k: Flag(group=CLUSTER) for k in ("batch_size", "actors", "cpus_per_actor", "address", "max_restarts",
                                         "max_task_retries", "max_shard_attempts", "log_interval", "head_timeout_s")},
 }
@@ -46,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None,
                    help="YAML of GenerationConfig fields (configs/gen_llada_8b.yaml, configs/gen_dream_7b.yaml, "
                    "configs/gen_tiny_multi.yaml); flags given on the command line override it")  # fmt: skip
-    add_dataclass_flags(p, GenerationConfig, FLAGS, dict.fromkeys((MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER)))
+    add_dataclass_flags(p, GenerationConfig, FLAGS, dict.fromkeys((MODEL, PROMPTS, DECODING, OUTPUT, ROLLOUT, CLUSTER)))
     return p
 
 

@@ -55,6 +55,17 @@ class GenerationConfig:
     allow_other_backbone: bool = False  # attach an adapter trained on another backbone (tdlm.TDLM.from_adapter)
     dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     shard_size: int = 256  # prompts per shard: shard i holds prompts [i*S, (i+1)*S)
+    # On-policy roll-outs (tdlm.data.onpolicy; ray_jobs/onpolicy.py sets these). With a switch distribution, each
+    # prompt is rolled in with policy tdlm (--adapter), the frozen backbone finishes it from the student's canvas at a
+    # step s* drawn from it (uniform | frac:A:B | start | end), and the shard holds the hybrid records. None: plain
+    switch: str | None = None
+    teacher_policy: str = "original"  # roll-out: the frozen backbone's commit rule (adapter off)
+    switch_seed: int = 0  # roll-out: s* of a prompt is a function of (switch_seed, its source id)
+    round: int | None = None  # roll-out: the on-policy round, recorded in every record
+    adapter_version: int | None = None  # roll-out: the adapter's version, recorded in every record with its fingerprint
+    # roll-out: per shard, the first N prompts also get the teacher's decode from scratch, and the adapter's Eq. 5 loss
+    # on the student's and on the teacher's records of them is recorded (the exposure gap)
+    gap_prompts: int = 0
     # run settings (may change on resume)
     # prompts per tdlm.decode call inside an actor (at most a shard's). The largest backbone batch one H200 (141 GB,
     # 2 GiB reserve) holds with its replica at prompt 256 + 256 tokens, rounded down to a multiple of 64: 1,409 for
@@ -125,8 +136,31 @@ class GenerationConfig:
             raise TDLMError(f"log_interval must be > 0; got {self.log_interval}")
         if self.head_timeout_s <= 0:
             raise TDLMError(f"head_timeout_s must be > 0; got {self.head_timeout_s}")
+        if self.switch is not None:
+            from tdlm.data.onpolicy import SwitchDistribution
+            from tdlm.decoding import POLICIES
+
+            SwitchDistribution.parse(self.switch, "switch (--switch)")
+            if self.policy != "tdlm":
+                raise TDLMError(f"--switch rolls in the student: it needs policy 'tdlm' and --adapter; got policy "
+                                f"{self.policy!r}")  # fmt: skip
+            teachers = [p for p in POLICIES if p != "tdlm"]
+            if self.teacher_policy not in teachers:
+                raise TDLMError(f"teacher_policy (--teacher-policy) must be one of {', '.join(teachers)}; got "
+                                f"{self.teacher_policy!r}")  # fmt: skip
+            if self.gap_prompts < 0:
+                raise TDLMError(f"gap_prompts must be >= 0; got {self.gap_prompts}")
+        elif self.gap_prompts:
+            raise TDLMError("gap_prompts is measured on roll-outs; it needs --switch")
         check_prompt_source(self.prompt_source(), self.allow_eval_prompts)  # by name; by content: the driver
         return self
+
+    def rollout(self) -> dict | None:
+        """The roll-out settings (identity: they decide the records), or None for plain decoding."""
+        if self.switch is None:
+            return None
+        return {"switch": self.switch, "teacher_policy": self.teacher_policy, "switch_seed": self.switch_seed,
+                "round": self.round, "adapter_version": self.adapter_version, "gap_prompts": self.gap_prompts}
 
     def identity(self, prompts: list[Prompt], backbone: str | None, adapter: str | None) -> dict:
         """Settings that define the shards' content (compared on resume); see the module docstring.
@@ -147,6 +181,8 @@ class GenerationConfig:
             "dtype": self.dtype,
             "shard_size": self.shard_size,
         }
+        if self.switch is not None:
+            out["rollout"] = self.rollout()
         if backbone is not None:
             out["backbone"] = backbone
         if adapter is not None or not self.adapter:

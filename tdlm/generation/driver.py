@@ -151,6 +151,7 @@ def worker_spec(cfg: GenerationConfig, gpu: bool, faults: FaultInjection | None 
         device=None,
         threads=None if gpu else cfg.cpus_per_actor,
         faults=faults,
+        rollout=cfg.rollout(),
     )
 
 
@@ -498,7 +499,8 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
                 idle.append(slot)
                 continue
             result: ShardResult = value
-            entry = store.write_shard(result.index, result.records, result.seconds, result.worker, attempts[index])
+            entry = store.write_shard(result.index, result.records, result.seconds, result.worker, attempts[index],
+                                      extra=result.extra)  # fmt: skip
             written += 1
             if faults is not None and faults.kill_after == written:
                 log.warning("TEST FAULT INJECTION: SIGKILL after shard %d file, before the manifest", index)

@@ -82,6 +82,7 @@ class WorkerSpec:
     allow_other_backbone: bool = False
     threads: int | None = None  # torch intra-op threads on CPU; None = leave as set by Ray/OMP
     faults: FaultInjection | None = None
+    rollout: dict | None = None  # GenerationConfig.rollout(): roll in with the adapter, roll out with the backbone
 
 
 @dataclass
@@ -98,6 +99,7 @@ class ShardResult:
     records: list[TrajectoryRecord]
     seconds: float  # wall time of tokenisation + decoding in the actor
     worker: dict = field(default_factory=dict)  # pid / host / device of the replica
+    extra: dict = field(default_factory=dict)  # a roll-out's measurements (exposure gap, student NFE, s*)
 
 
 class ShardWorker:
@@ -185,20 +187,9 @@ class ShardWorker:
         self._maybe_crash(task.index)
         t0 = time.perf_counter()
         ids = encode_prompts(self.tokenizer, task.texts, chat=self.spec.chat)
-        # Similar lengths share a batch so little compute goes to left padding; decode() gives the
-        # same tokens batched or alone, so the grouping does not change the output.
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        results: list = [None] * len(ids)
-        bs = self.spec.batch_size
         self._progress = (task.index, 0)
         try:
-            for start in range(0, len(order), bs):
-                chunk = order[start : start + bs]
-                out = decode(self.model, [ids[i] for i in chunk], self.config, tokenizer=self.tokenizer,
-                             stop_ids=self.stop_ids)  # fmt: skip
-                for i, r in zip(chunk, out, strict=True):
-                    results[i] = r
-                self._progress = (task.index, start + len(chunk))
+            results = self._decode_sorted(ids, self.model, self.config, task.index)
         finally:
             self._progress = None
         settings = self.config.to_dict()
@@ -206,4 +197,78 @@ class ShardWorker:
             TrajectoryRecord.from_decode(r, sid, text, self.backbone.backbone_id, settings)
             for r, sid, text in zip(results, task.source_ids, task.texts, strict=True)
         ]
-        return ShardResult(task.index, records, time.perf_counter() - t0, dict(self.meta))
+        extra: dict = {}
+        if self.spec.rollout is not None:
+            records, extra = self._roll_out(task, ids, records)
+        return ShardResult(task.index, records, time.perf_counter() - t0, dict(self.meta), extra)
+
+    def _decode_sorted(self, ids: list[list[int]], model, config: DecodeConfig, shard: int,
+                       canvas: list[list[int]] | None = None) -> list:  # fmt: skip
+        """Decode in batches of similar prompt length (less left padding); decode() gives the same tokens batched or
+        alone, so the grouping does not change the output. Results in the order of ``ids``."""
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        results: list = [None] * len(ids)
+        bs = self.spec.batch_size
+        for start in range(0, len(order), bs):
+            chunk = order[start : start + bs]
+            out = decode(model, [ids[i] for i in chunk], config, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                         canvas=None if canvas is None else [canvas[i] for i in chunk])  # fmt: skip
+            for i, r in zip(chunk, out, strict=True):
+                results[i] = r
+            self._progress = (shard, start + len(chunk))
+        return results
+
+    def _roll_out(self, task: ShardTask, ids: list[list[int]], students: list[TrajectoryRecord]):
+        """Roll-out (tdlm.data.onpolicy): from each student canvas at its s*, the frozen backbone finishes the
+        response; returns the hybrid records and the shard's measurements (exposure gap on the first gap_prompts)."""
+        import dataclasses
+
+        from tdlm.data.onpolicy import SwitchDistribution, hybrid_record, switch_canvas
+
+        ro = self.spec.rollout
+        dist = SwitchDistribution.parse(ro["switch"])
+        teacher_cfg = dataclasses.replace(self.config, policy=ro["teacher_policy"])
+        provenance = {"round": ro["round"], "adapter_version": ro["adapter_version"],
+                      "adapter_fingerprint": self.adapter_fingerprint}  # fmt: skip
+        mask = self.backbone.mask_token_id
+        steps = [dist.draw(r.T, ro["switch_seed"], r.source_id) for r in students]
+        todo = [i for i, (r, s) in enumerate(zip(students, steps, strict=True)) if s < r.T]
+        outs = self._decode_sorted([ids[i] for i in todo], self.backbone, teacher_cfg, task.index,
+                                   [switch_canvas(students[i], steps[i], mask) for i in todo]) if todo else []
+        by_row = dict(zip(todo, outs, strict=True))
+        hybrids = []
+        for i, (stu, s) in enumerate(zip(students, steps, strict=True)):
+            t = by_row.get(i)
+            hybrids.append(hybrid_record(stu, s, None if t is None else t.tokens, None if t is None else t.reveal_step,
+                                         0 if t is None else t.T, provenance))  # fmt: skip
+        extra = {"student_nfe_sum": sum(r.T for r in students), "switch_step_sum": sum(steps),
+                 "student_tokens": sum(len(r.response_ids) for r in students)}  # fmt: skip
+        n_gap = min(ro["gap_prompts"], len(students))
+        if n_gap:
+            teach = self._decode_sorted(ids[:n_gap], self.backbone, teacher_cfg, task.index)
+            settings = teacher_cfg.to_dict()
+            teachers = [TrajectoryRecord.from_decode(r, stu.source_id, stu.prompt_text, self.backbone.backbone_id,
+                                                     settings) for r, stu in zip(teach, students, strict=False)]
+            seed = ro["switch_seed"] * 1_000_003 + task.index
+            extra["gap"] = {"prompts": n_gap, "student": eq5_loss(self.model, students[:n_gap], seed),
+                            "teacher": eq5_loss(self.model, teachers, seed)}  # fmt: skip
+        return hybrids, extra
+
+
+GAP_STATES = 8  # K states sampled per record for the exposure gap (the paper's K)
+
+
+def eq5_loss(model, records: list[TrajectoryRecord], seed: int, states: int = GAP_STATES) -> list[float]:
+    """[sum of Eq. 5's cross-entropy, supervised tokens] of ``model`` (a TDLM) on ``records``, K states each drawn with
+    a generator seeded by ``seed`` (records of one response length, as decoding gives)."""
+    from tdlm.data.trajectories import IGNORE_INDEX, build_batch, trajectory_loss
+
+    bb = model.backbone
+    device = next(bb.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    batch = build_batch(records, states, bb.mask_token_id, bb.pad_token_id, g).to(device)
+    select = batch.labels != IGNORE_INDEX
+    with torch.no_grad():
+        logits = model(batch.input_ids, batch.prompt_len, attention_mask=batch.attention_mask, select=select)
+        ce, n = trajectory_loss(logits, batch.labels[select])
+    return [float(ce), int(n)]

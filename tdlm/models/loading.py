@@ -323,12 +323,19 @@ def load_backbone_partitioned(
                                     f"config implies {tuple(p.shape)}")
                 p.data.copy_(t.to(p.dtype))
     model.backbone_id = backbone_id
-    if name_or_path in PRESETS:
-        model.weight_fingerprint = f"preset:{name_or_path}"
-    else:
-        model.weight_fingerprint = weight_fingerprint_files(_weight_files(folder), {n for n, _ in
-                                                                                    model.named_parameters()})
+    model.weight_fingerprint = weight_fingerprint_of(name_or_path, {n for n, _ in model.named_parameters()})
     return model.freeze()
+
+
+def weight_fingerprint_of(name_or_path: str, names: set[str] | None = None) -> str:
+    """The weight fingerprint a loaded backbone carries (what an adapter records as ``backbone.fingerprint``), read
+    from the files without loading them: the preset's name, or a slice of every tensor (``names``: the parameters;
+    None = those of the backbone's structure)."""
+    if name_or_path in PRESETS:
+        return f"preset:{name_or_path}"
+    if names is None:
+        names = {n for n, _ in load_backbone_meta(name_or_path).named_parameters()}
+    return weight_fingerprint_files(_weight_files(_resolve_folder(name_or_path)), names)
 
 
 def load_backbone_meta(name_or_path: str) -> Backbone:

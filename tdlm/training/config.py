@@ -18,6 +18,9 @@ class ModelConfig:
     # ("prediction") or the one at its own position ("input"); recorded in the adapter. No effect on LLaDA.
     alignment: str = "prediction"
     dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU; or float32 / bfloat16
+    # Start from this adapter folder's weights instead of W_O = 0 (an on-policy round continues its round's adapter);
+    # its layers, heads, head_dim and alignment must be this run's. None: a fresh adapter
+    init_adapter: str | None = None
 
 
 @dataclass
@@ -72,6 +75,8 @@ class WandbConfig:
     name: str | None = None
     tags: list[str] = field(default_factory=list)  # extra tags; backbone:, layers:, history: are always added
     mode: str | None = None  # None = WANDB_MODE, else offline when no API key is configured
+    # values logged with every point of the run (an on-policy round sets onpolicy/round and onpolicy/adapter_version)
+    constants: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -170,13 +170,46 @@ def preflight_config(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool
     except TDLMError as e:
         raise TDLMError(f"{source}: model.backbone={m.backbone!r}: {e}") from e
     try:
-        temporal_config(run).resolved(meta)
+        resolved = temporal_config(run).resolved(meta)
     except TDLMError as e:
         raise TDLMError(
             f"{source}: model.layers={m.layers!r}, model.heads={m.heads!r}, model.head_dim={m.head_dim!r} do not fit "
             f"{meta.family} with {meta.num_layers} layers of width {meta.hidden_size}: {e}"
         ) from e
+    if m.init_adapter:
+        check_init_adapter(m.init_adapter, resolved, source)
     return ds_cfg
+
+
+INIT_FIELDS = ("layers", "heads", "head_dim", "alignment")
+
+
+def check_init_adapter(directory: str, resolved: TemporalConfig, source: str = "run config") -> None:
+    """model.init_adapter names an adapter folder whose temporal layout is this run's (one line otherwise)."""
+    from tdlm.temporal.adapter_files import ADAPTER_WEIGHTS, adapter_config_path, read_config
+
+    d = Path(directory)
+    if not (d / ADAPTER_WEIGHTS).is_file():
+        raise TDLMError(f"{source}: model.init_adapter={directory!r} holds no {ADAPTER_WEIGHTS} (an adapter folder "
+                        f"written by a training run)")  # fmt: skip
+    raw = read_config(adapter_config_path(d))
+    have = {"layers": list(raw.get("layers") or []), "heads": raw.get("heads"), "head_dim": raw.get("head_dim"),
+            "alignment": raw.get("alignment", "input")}  # fmt: skip
+    want = {"layers": list(resolved.layers), "heads": resolved.heads, "head_dim": resolved.head_dim,
+            "alignment": resolved.alignment}  # fmt: skip
+    differ = [f"{k}={have[k]!r} (this run: {want[k]!r})" for k in INIT_FIELDS if have[k] != want[k]]
+    if differ:
+        raise TDLMError(f"{source}: model.init_adapter={directory!r} does not fit this run's adapter: "
+                        f"{'; '.join(differ)}")  # fmt: skip
+
+
+def load_init_adapter(model: TDLM, directory: str) -> None:
+    """Load model.init_adapter's temporal weights into ``model`` before DeepSpeed partitions them (every rank; the
+    backbone it was trained on is checked when the backbone is not partitioned)."""
+    from tdlm.temporal import adapter_files
+
+    files = adapter_files.read_adapter(model.backbone, directory, history=str(model.policy))
+    adapter_files.load_adapter_weights(model, files)
 
 
 def preflight(run: RunConfig, ds_raw: dict, world_size: int, on_gpu: bool, source: str = "run config",
@@ -295,6 +328,8 @@ def setup(run: RunConfig, ds_raw: dict, resume: bool = False, source: str = "run
     else:
         backbone = load_backbone(run.model.backbone, dtype=dtype, device=device)
     model = TDLM(backbone, temporal_config(run))
+    if run.model.init_adapter and not resume:  # a resume restores its checkpoint's weights instead
+        load_init_adapter(model, run.model.init_adapter)
     # Adapters attached after a partitioned load are not cast by the engine: match the backbone now.
     model.temporal.to(device=device, dtype=dtype)
     model.activation_checkpointing = uses_activation_checkpointing(ds_cfg, run)
@@ -490,7 +525,7 @@ def _updates(sess: Session, progress: bool) -> tuple[dict, int, dict, Path]:
             last = metrics
             done = sess.step = step + 1
             if done % run.train.log_every == 0 or done == total:
-                sess.tracker.log(metrics, done)
+                sess.tracker.log({**metrics, **run.wandb.constants}, done)
             if bar is not None:
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")

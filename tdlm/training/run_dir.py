@@ -462,3 +462,30 @@ def stop_with_launcher(interval: float = 1.0, grace_s: float = 300.0) -> threadi
     t = threading.Thread(target=watch, name="tdlm-launcher-watch", daemon=True)
     t.start()
     return t
+
+
+def free_port() -> int:
+    """A free local TCP port for the training launch: DeepSpeed's default 29500 is taken by any other training
+    on the machine, and the launch then dies with EADDRINUSE."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def training_resume_args(train_dir: Path) -> list[str]:
+    """``--resume`` when ``train_dir`` holds a run that can continue (or is finished); a run that stopped before
+    its first verified checkpoint cannot, so its folder is moved aside and training starts over."""
+    if not any((train_dir / name).exists() for name in RUN_FILES):
+        return []
+    if (train_dir / "run_config.json").exists():
+        if finished_step(train_dir) is not None:
+            return ["--resume"]
+        try:
+            newest_verified_tag(train_dir / "checkpoints")
+            return ["--resume"]
+        except TDLMError:
+            pass
+    dest = train_dir.with_name(f"{train_dir.name}.interrupted-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(train_dir, dest)
+    print(f"{train_dir} stopped before its first checkpoint: moved to {dest}; training starts over", flush=True)
+    return []
