@@ -137,11 +137,11 @@ def search(out: Path, traj: Path) -> dict:
     off0 = train_round0(out, traj, "off", 0, [])
     rows = {"off-policy (round 0)": validation_accuracy(off0)}
     for name, settings in CANDIDATES.items():
-        d = job(out, f"search-{name}-seed0", traj, off0, settings, [], 0)
+        d = job(out, f"on-policy-{name}-seed0", traj, off0, settings, [], 0)
         for r in (1, 2):
             label = f"{name} round {r} ({', '.join(settings)})"
             rows[label] = validation_accuracy(d / "rounds" / f"{r:02d}" / "adapter")
-    d = job(out, "search-more-data-seed0", traj, off0, ["mix_lambda=0.5", "switch=start"], [], 0)
+    d = job(out, "more-data-lam0.5-seed0", traj, off0, ["mix_lambda=0.5", "switch=start"], [], 0)
     for r in (1, 2):
         rows[f"more-data round {r}"] = validation_accuracy(d / "rounds" / f"{r:02d}" / "adapter")
     for k, v in rows.items():
@@ -161,10 +161,12 @@ def final(out: Path, traj: Path, recipe: str, rounds: int) -> dict:
         cur0 = train_round0(out, traj, "current0", s, ["model.history=current"])
         v = f"{rounds:02d}"
         adapters[f"off-policy-s{s}"] = off
+        # jobs are named by their settings, so the search's seed-0 jobs are the final's
         adapters[f"on-policy-s{s}"] = job(out, f"on-policy-{recipe}-seed{s}", traj, off, settings, [],
                                           s) / "rounds" / v / "adapter"
-        adapters[f"more-data-s{s}"] = job(out, f"more-data-{recipe}-seed{s}", traj, off, [*lam, "switch=start"], [],
-                                          s) / "rounds" / v / "adapter"
+        lam_name = lam[0].split("=")[1] if lam else "0.5"
+        adapters[f"more-data-s{s}"] = job(out, f"more-data-lam{lam_name}-seed{s}", traj, off, [*lam, "switch=start"],
+                                          [], s) / "rounds" / v / "adapter"
         adapters[f"current-only-s{s}"] = job(out, f"current-only-{recipe}-seed{s}", traj, cur0, settings,
                                              ["model.history=current"], s) / "rounds" / v / "adapter"
     ev = out / f"eval-test-{recipe}{rounds}"
@@ -187,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--search", action="store_true", help="the validation search on seed 0")
     ap.add_argument("--final", action="store_true", help="the 3-seed experiment on the test split")
+    ap.add_argument("--cost", action="store_true", help="the predicted cost of one LLaDA-8B round on 8 GPUs (from "
+                    "bench/results/true_shape.json; tdlm.onpolicy.cost)")
+    ap.add_argument("--round0", action="store_true", help="only the round-0 adapters of every seed (off-policy and "
+                    "current-only), which every recipe shares")
     ap.add_argument("--recipe", choices=sorted(CANDIDATES), default="A", help="the on-policy recipe (from --search)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the chosen recipe (1 or 2, from --search)")
     ap.add_argument("--out", default=str(REPO / "runs" / "onpolicy_bench"))
@@ -194,9 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     t0 = time.time()
-    traj = teacher(out)
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if args.cost:
+        from tdlm.onpolicy.cost import cost_table, round_cost
+
+        result["cost_llada_8b"] = round_cost(json.loads((REPO / "bench" / "results" / "true_shape.json").read_text()))
+        print(cost_table(result["cost_llada_8b"]))
+        write_result(result_path, result)
+        if not (args.round0 or args.search or args.final):
+            return 0
+    traj = teacher(out)
+    if args.round0:
+        for s in SEEDS:
+            train_round0(out, traj, "off", s, [])
+            train_round0(out, traj, "current0", s, ["model.history=current"])
     if args.search:
         result["search"] = {"split": f"multi-v1 validation, first {VALIDATION_PROBLEMS}", "tau": TAU, "seed": 0,
                             "common": COMMON, "candidates": CANDIDATES, "rows": search(out, traj),

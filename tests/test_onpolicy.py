@@ -311,3 +311,18 @@ def test_job_mix_refuses_a_stale_record_and_keeps_its_proportions(tmp_path):
     with pytest.raises(TDLMError, match="records/shard-00000.parquet row 4: record 'r2-4' was rolled in with adapter "
                                         "version 0, 2 versions before version 2"):
         job.phase_mix(3)
+
+
+def test_round_cost_follows_its_inputs():
+    """The 8B round-cost prediction: decode phases scale with prompts / GPUs, training with updates / MFU."""
+    from tdlm.onpolicy.cost import round_cost
+
+    shape = json.loads((REPO / "bench" / "results" / "true_shape.json").read_text())
+    base = round_cost(shape)
+    a = base["assumptions"]
+    assert base["seconds"]["roll-in (student)"] == pytest.approx(1000 * 40.08 * a["ms_per_nfe_tdlm"] / 1e3 / 8)
+    assert base["seconds"]["roll-out (teacher from s*)"] == pytest.approx(1000 * 128 * a["ms_per_nfe_backbone"] / 8e3)
+    more = round_cost(shape, gpus=16, updates=300, mfu=0.2)
+    assert more["seconds"]["roll-in (student)"] == pytest.approx(base["seconds"]["roll-in (student)"] / 2)
+    assert more["seconds"]["training"] == pytest.approx(base["seconds"]["training"] * 4)
+    assert sum(base["share"].values()) == pytest.approx(1.0)

@@ -278,7 +278,9 @@ class Job:
                 t = [sum(g["teacher"][i] for g in gaps) for i in (0, 1)]
                 info["loss_student_states"] = s[0] / max(s[1], 1)
                 info["loss_teacher_states"] = t[0] / max(t[1], 1)
+                # of adapter version r - 1 (the one that rolled in): Eq. 5 on its own states minus on the teacher's
                 info["exposure_gap"] = info["loss_student_states"] - info["loss_teacher_states"]
+                info["gap_adapter_version"] = r - 1
                 info["gap_prompts"] = sum(g["prompts"] for g in gaps)
         self._mark(r, "records", **info)
         return info
