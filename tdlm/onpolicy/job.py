@@ -27,7 +27,6 @@ stops the local cluster it started), so rollouts and training take turns on the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -41,7 +40,7 @@ from tdlm.data.contamination import check_teacher_prompts, prompt_hashes
 from tdlm.data.folder_lock import FolderLock
 from tdlm.data.onpolicy import check_staleness, mix_counts, mix_records
 from tdlm.data.prompts import PromptSource, load_prompts
-from tdlm.data.store import MANIFEST, atomic_write_json, atomic_write_text, write_manifest
+from tdlm.data.store import MANIFEST, atomic_write_json, atomic_write_text, sha256_of, shard_name, write_manifest
 from tdlm.data.stream import shard_paths, verify_manifest
 from tdlm.data.trajectories import TrajectoryRecord, read_parquet, write_parquet
 from tdlm.errors import TDLMError
@@ -63,14 +62,6 @@ KILL_ENV = "TDLM_TEST_ONPOLICY_KILL"  # tests: "<round>:<phase>" -> SIGKILL-like
 
 def round_dir(out: Path, r: int) -> Path:
     return out / "rounds" / f"{r:02d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _maybe_kill(r: int, phase: str) -> None:
@@ -309,7 +300,7 @@ class Job:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
         for i in range(0, len(mix), c.shard_size):
-            write_parquet(mix[i : i + c.shard_size], tmp / f"shard-{i // c.shard_size:05d}.parquet")
+            write_parquet(mix[i : i + c.shard_size], tmp / shard_name(i // c.shard_size))
             if i == 0:
                 _maybe_kill(r, "mix")
         counts = {"current": n_cur, "replay": n_rep, "lambda": c.mix_lambda, "size": c.size(),
@@ -356,7 +347,7 @@ class Job:
         dest = round_dir(self.out, r) / "adapter"
         if r == 0 and self.cfg.round0_adapter:
             src = Path(self.cfg.round0_adapter)
-            info = {"adapter_version": 0, "adapter_sha256": _sha256(src / ADAPTER_WEIGHTS), "adapter": str(src)}
+            info = {"adapter_version": 0, "adapter_sha256": sha256_of(src / ADAPTER_WEIGHTS), "adapter": str(src)}
             self._mark(r, "sync", **info)
             return info
         src = round_dir(self.out, r) / "train" / "adapter"
@@ -364,7 +355,7 @@ class Job:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(src, tmp)
         _maybe_kill(r, "sync")
-        info = {"adapter_version": r, "round": r, "adapter_sha256": _sha256(tmp / ADAPTER_WEIGHTS)}
+        info = {"adapter_version": r, "round": r, "adapter_sha256": sha256_of(tmp / ADAPTER_WEIGHTS)}
         atomic_write_json(tmp / "version.json", info)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
