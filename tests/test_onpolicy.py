@@ -327,3 +327,41 @@ def test_round_cost_follows_its_inputs():
     assert more["seconds"]["roll-in (student)"] == pytest.approx(base["seconds"]["roll-in (student)"] / 2)
     assert more["seconds"]["training"] == pytest.approx(base["seconds"]["training"] * 4)
     assert sum(base["share"].values()) == pytest.approx(1.0)
+
+
+def test_verdict_reads_one_evaluation_and_judges_each_target(tmp_path):
+    """bench/results/onpolicy.json's targets from an evaluation folder: arms by adapter label, references by policy,
+    two-level intervals, each target met or not."""
+    from tdlm.onpolicy.verdict import ARMS, markdown, verdict
+
+    rng = torch.Generator().manual_seed(0)
+    n = 200
+    runs = []
+
+    def add(name: str, policy: str, tau: float, p: float, nfe: float, label: str | None = None) -> None:
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        correct = (torch.rand(n, generator=rng) < p).tolist()
+        (d / "samples.jsonl").write_text("".join(json.dumps({"id": f"multi/{i:06d}", "correct": c, "nfe": nfe}) + "\n"
+                                                 for i, c in enumerate(correct)))  # fmt: skip
+        runs.append({"name": name, "task": "multi", "policy": policy, "threshold": tau, "adapter_label": label,
+                     "accuracy": sum(correct) / n, "nfe_mean": nfe, "n": n, "run_dir": str(d)})  # fmt: skip
+
+    add("threshold-tau0.9", "threshold", 0.9, 0.6, 30.0)
+    add("credit-tau0.9", "credit", 0.9, 0.6, 24.0)
+    quality = {"off-policy": 0.6, "more-data": 0.6, "on-policy": 0.95, "current-only": 0.3}
+    for arm in ARMS:
+        for s in (0, 1, 2):
+            add(f"tdlm-{arm}-s{s}", "tdlm", 0.95, quality[arm], 20.0, f"{arm}-s{s}")
+    (tmp_path / "summary.json").write_text(json.dumps({"runs": runs}))
+    out = verdict(tmp_path, [0, 1, 2], 0.95, 0.9)
+    t = out["targets"]
+    assert t["on-policy beats the more-data control"]["met"] and t["full history beats current-only"]["met"]
+    assert t["on-policy beats credit tau 0.9 at no more NFE"]["met"]  # 20 <= 24 NFE
+    vs_threshold = t["on-policy vs threshold tau 0.9: lower bound >= -1 point at <= 0.8x its NFE"]
+    assert vs_threshold["nfe_ratio"] == pytest.approx(20 / 30)
+    lo, hi = out["differences"]["on-policy - current-only"]["interval"]
+    assert 0 < lo < out["differences"]["on-policy - current-only"]["accuracy_diff"] < hi
+    assert "| full history beats current-only |" in markdown(out)
+    with pytest.raises(ValueError, match="0 runs of adapter 'off-policy-s3'"):
+        verdict(tmp_path, [0, 1, 3], 0.95, 0.9)
