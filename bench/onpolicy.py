@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--final", action="store_true", help="the 3-seed experiment on the test split")
     ap.add_argument("--cost", action="store_true", help="the predicted cost of one LLaDA-8B round on 8 GPUs (from "
                     "bench/results/true_shape.json; tdlm.onpolicy.cost)")
+    ap.add_argument("--table", action="store_true", help="print the search and final tables of --result as Markdown "
+                    "(docs/training.md quotes them)")
     ap.add_argument("--round0", action="store_true", help="only the round-0 adapters of every seed (off-policy and "
                     "current-only), which every recipe shares")
     ap.add_argument("--recipe", choices=sorted(CANDIDATES), default="A", help="the on-policy recipe (from --search)")
@@ -202,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     result_path = Path(args.result)
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    if args.table:
+        from tdlm.onpolicy.verdict import markdown
+
+        search_rows = result.get("search", {}).get("rows", {})
+        print(f"| candidate (validation, seed 0, tdlm tau {TAU:g}) | accuracy | NFE |\n|---|---|---|")
+        for name, r in search_rows.items():
+            print(f"| {name} | {100 * r['accuracy']:.1f}% | {r['nfe_mean']:.2f} |")
+        if "final" in result:
+            print()
+            print(markdown(result["final"] | {"targets": result["targets"]}))
+        return 0
     if args.cost:
         from tdlm.onpolicy.cost import cost_table, round_cost
 
