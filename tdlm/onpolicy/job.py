@@ -452,4 +452,5 @@ def load_job_config(path: str | None, overrides: dict) -> tuple[OnPolicyConfig, 
 
     raw = load_yaml(path) if path else {}
     raw.update(overrides)
-    return from_dict(OnPolicyConfig, raw, path or "arguments"), path or "arguments"
+    where = (f"{path} with the command line's flags" if overrides else path) if path else "arguments"
+    return from_dict(OnPolicyConfig, raw, where), where
