@@ -51,6 +51,8 @@ CANDIDATES: dict[str, list[str]] = {
     "A": ["mix_lambda=0.5", "switch=uniform"],
     "B": ["mix_lambda=1.0", "switch=uniform"],
     "C": ["mix_lambda=0.5", "switch=frac:0.5:1"],
+    # after the final run (not a candidate of it): A with the later rounds at a third of the recipe's learning rate
+    "D": ["mix_lambda=0.5", "switch=uniform", "round_overrides=optim.warmup_steps=5 optim.lr=0.001"],
 }
 COMMON = ["rounds=2", "prompts_per_round=512", "mix_size=512", "updates_per_round=50"]
 
@@ -96,7 +98,7 @@ def job(out: Path, name: str, traj: Path, adapter0: Path, settings: list[str], t
            "--round0-trajectories", traj, "--round0-adapter", adapter0, "--seed", seed, "--wandb-mode", "disabled"]
     for kv in [*COMMON, *settings]:
         k, v = kv.split("=", 1)
-        cmd += [f"--{k.replace('_', '-')}", v]
+        cmd += [f"--{k.replace('_', '-')}", *v.split()]  # a list flag takes its items apart
     if train_overrides:
         cmd += ["--train-overrides", *train_overrides]
     run(cmd, out / "logs" / f"job-{name}.log")
