@@ -66,3 +66,35 @@ def write_result(path: str | os.PathLike, result: dict) -> Path:
     out.write_text(json.dumps(repo_relative(result), indent=2) + "\n")
     print(f"\nwrote {out}")
     return out
+
+
+def run_logged(cmd: list, log: Path, env: dict, cwd: Path, mode: str = "w") -> float:
+    """Run a stage's command with its output in ``log`` (``mode`` "a" keeps earlier attempts); its seconds, or a
+    one-line TDLMError naming the log."""
+    import subprocess
+    import time
+
+    from tdlm.errors import TDLMError
+
+    cmd = [str(c) for c in cmd]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    with log.open(mode) as fh:
+        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise TDLMError(f"exit {rc}: {' '.join(cmd[:3])} ...; see {log}")
+    return time.time() - t
+
+
+def exit_with(main: Callable[[], int]) -> None:
+    """``sys.exit(main())``, with a TDLMError as one line on stderr and exit status 2."""
+    import sys
+
+    from tdlm.errors import TDLMError
+
+    try:
+        sys.exit(main())
+    except TDLMError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

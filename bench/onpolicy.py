@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,9 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import machine, write_result  # noqa: E402
+from benchlib import exit_with, machine, run_logged, write_result  # noqa: E402
 
-from tdlm.errors import TDLMError  # noqa: E402
 from tdlm.training.run_dir import free_port, training_resume_args  # noqa: E402
 
 SEEDS = (0, 1, 2)
@@ -62,15 +60,8 @@ def env() -> dict:
                          "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"), "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def run(cmd: list[str], log: Path) -> float:
-    print(f"$ {' '.join(map(str, cmd))}", flush=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t = time.time()
-    with log.open("a") as fh:
-        rc = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env(), stdout=fh, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise TDLMError(f"exit {rc}: {' '.join(map(str, cmd[:3]))} ...; see {log}")
-    return time.time() - t
+def run(cmd: list, log: Path) -> float:
+    return run_logged(cmd, log, env(), REPO, mode="a")
 
 
 def teacher(out: Path) -> Path:
@@ -246,8 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_with(main)

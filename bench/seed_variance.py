@@ -22,7 +22,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,21 +30,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import machine, write_result  # noqa: E402
+from benchlib import exit_with, machine, run_logged, write_result  # noqa: E402
 
 from tdlm.demo import DEMO_BACKBONE, DEMO_TASK, DEMO_TRAIN_CONFIG, DTYPE, MULTI_GEN_LENGTH, free_port  # noqa: E402
-from tdlm.errors import TDLMError  # noqa: E402
 
 TAUS = (0.7, 0.8, 0.9, 0.95, 0.99)  # the demo's tdlm_thresholds (tdlm.demo.DemoPlan, full mode)
 
 
 def run(cmd: list[str], log: Path, env: dict) -> None:
-    print(f"$ {' '.join(cmd)}", flush=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as fh:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise TDLMError(f"exit {rc}: {' '.join(cmd[:3])} ...; see {log}")
+    run_logged(cmd, log, env, REPO)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,8 +109,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except TDLMError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    exit_with(main)

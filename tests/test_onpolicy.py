@@ -365,3 +365,33 @@ def test_verdict_reads_one_evaluation_and_judges_each_target(tmp_path):
     assert "| full history beats current-only |" in markdown(out)
     with pytest.raises(ValueError, match="0 runs of adapter 'off-policy-s3'"):
         verdict(tmp_path, [0, 1, 3], 0.95, 0.9)
+
+
+def test_init_adapter_is_checked_and_loaded(tmp_path):
+    """model.init_adapter: a folder of another layout is one line before any launch; a fitting one's temporal weights
+    are what the run starts from (not W_O = 0)."""
+    from tdlm.config import load_config
+    from tdlm.models.loading import load_backbone_meta
+    from tdlm.training.config import RunConfig
+    from tdlm.training.loop import check_init_adapter, load_init_adapter, temporal_config
+
+    bb = tdlm.load_backbone("tiny-multi", dtype="float32")
+    run = load_config(RunConfig, str(REPO / "configs" / "tiny_multi.yaml"))
+    resolved = temporal_config(run).resolved(load_backbone_meta("tiny-multi"))
+    src = tdlm.TDLM(bb, temporal_config(run))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for mod in src.temporal.values():
+            mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g))
+    src.save_adapter(tmp_path / "fits")
+    check_init_adapter(str(tmp_path / "fits"), resolved)
+    fresh = tdlm.TDLM(bb, temporal_config(run))
+    load_init_adapter(fresh, str(tmp_path / "fits"))
+    for k, v in src.temporal.state_dict().items():
+        assert torch.equal(fresh.temporal.state_dict()[k], v), k
+    tdlm.TDLM(bb, tdlm.TemporalConfig(layers="all", heads=2, head_dim=32)).save_adapter(tmp_path / "other")
+    with pytest.raises(TDLMError, match="model.init_adapter=.* does not fit this run's adapter: "
+                                        "layers=\\[0, 1, 2, 3, 4, 5\\] \\(this run: \\[.*\\]\\)"):
+        check_init_adapter(str(tmp_path / "other"), resolved)
+    with pytest.raises(TDLMError, match="holds no adapter.safetensors"):
+        check_init_adapter(str(tmp_path), resolved)

@@ -111,5 +111,13 @@ def test_killed_in_every_phase_resumes_to_the_uninterrupted_job(tmp_path, round0
     job_points = [json.loads(x) for x in (out / "job" / "metrics.jsonl").read_text().splitlines()]
     assert [(p["onpolicy/round"], p["onpolicy/adapter_version"]) for p in job_points] == [(0, 0), (1, 1)]
     assert "onpolicy/exposure_gap" in job_points[1]
+    # round 1 continued round 0's adapter (model.init_adapter): its W_O is round 0's, moved by 3 small updates, not 0
+    from safetensors.torch import load_file
+
+    w0 = load_file(str(round0["adapter"] / "adapter.safetensors"))
+    w1 = load_file(str(out / "rounds" / "01" / "adapter" / "adapter.safetensors"))
+    o_proj = [k for k in w0 if "o_proj" in k]
+    assert o_proj and all(w0[k].abs().max() > 0.5 for k in o_proj)
+    assert all((w1[k] - w0[k]).abs().max() < 0.1 for k in o_proj)
     train_points = [json.loads(x) for x in (out / "rounds" / "01" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert train_points and all(p["onpolicy/round"] == 1 and p["onpolicy/adapter_version"] == 1 for p in train_points)
