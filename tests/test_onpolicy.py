@@ -395,3 +395,13 @@ def test_init_adapter_is_checked_and_loaded(tmp_path):
         check_init_adapter(str(tmp_path / "other"), resolved)
     with pytest.raises(TDLMError, match="holds no adapter.safetensors"):
         check_init_adapter(str(tmp_path), resolved)
+
+
+def test_cli_without_its_required_settings_is_one_line(capsys):
+    from tdlm.onpolicy.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --train-config, --prompts, --output-dir required")

@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from tdlm.config import Flag, SuggestingParser, add_dataclass_flags
+from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, load_yaml
 from tdlm.decoding import POLICIES
 from tdlm.errors import TDLMError
 from tdlm.onpolicy.config import OnPolicyConfig
@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.pop("config")
     given = {k: v for k, v in args.items() if v is not None}
     try:
-        cfg, where = load_job_config(path, given)
-        missing = [f"--{k.replace('_', '-')}" for k in ("train_config", "prompts", "output_dir")
-                   if getattr(cfg, k, None) is None]  # fmt: skip
+        raw = (load_yaml(path) if path else {}) | given
+        missing = [f"--{k.replace('_', '-')}" for k in ("train_config", "prompts", "output_dir") if raw.get(k) is None]
         if missing:
             p.error(f"{', '.join(missing)} required (as flags or as fields of --config)")
+        cfg, where = load_job_config(path, given)
         state = Job(cfg, where).run_all()
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr)
