@@ -177,10 +177,22 @@ def pytest_runtest_protocol(item, nextitem):
             timer.cancel()
 
 
-def sharp_backbone(name: str = "tiny-llada", scale: float = 60.0):
+# Tests that assert equal decisions (tokens, NFE, reveal steps) between two numerically different paths -- the
+# static and the dynamic storage plan, a batch and one row, a replica and decode() -- run them in float64. In float32
+# the paths differ in the last bits (sums over other batch and canvas shapes), and those bits decide near-ties of
+# confidence against tau or between the top two tokens differently on different CPUs' kernels: two such tests failed
+# on a 2-core AMD EPYC and passed here. In float64 the differences are ~1e-15, far below any gap the tiny models'
+# decisions have, so the decisions are the same on every CPU and kernel path. EXACT_TOL is the logit tolerance of
+# those comparisons: float64 rounding compounded over the few dozen evaluations of a test decode stays below 1e-12
+# (soft iteration feeds predictions back, 1.8e-5 in float32 after 11 evaluations); 1e-9 leaves a margin of 1e3.
+EXACT_DTYPE = torch.float64
+EXACT_TOL = 1e-9
+
+
+def sharp_backbone(name: str = "tiny-llada", scale: float = 60.0, dtype: torch.dtype = torch.float32):
     """A tiny random backbone with a peaky head, so confidences spread over (0, 1] and blocks take several
-    steps under the threshold rule."""
-    bb = load_backbone(name)
+    steps under the threshold rule; ``dtype=EXACT_DTYPE`` for comparisons of two paths' decisions."""
+    bb = load_backbone(name, dtype=dtype)
     head = bb.model.transformer.ff_out if bb.family == "llada" else bb.lm_head
     with torch.no_grad():
         head.weight.mul_(scale)

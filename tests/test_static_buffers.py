@@ -18,7 +18,7 @@ from tdlm.decoding.loop import POLICIES
 from tdlm.decoding.static_plan import batch_bucket, kv_cache_bytes, prompt_bucket, static_bytes, static_canvas
 from tdlm.models.kv_cache import SpatialKVCache
 from tdlm.temporal.history import TemporalCache
-from tests.conftest import live_tdlm, sharp_backbone
+from tests.conftest import EXACT_DTYPE, EXACT_TOL, live_tdlm, sharp_backbone
 
 # three requests (bucket 4: one padding row), left-padded, rows finishing at different evaluations; a second batch
 # of other prompts and other lengths in the same prompt bucket
@@ -31,6 +31,12 @@ BACKBONES = ("tiny-llada", "tiny-dream")
 @pytest.fixture(scope="module")
 def backbones():
     return {name: sharp_backbone(name) for name in BACKBONES}
+
+
+@pytest.fixture(scope="module")
+def exact_backbones():
+    """The backbones in float64, for the comparisons of the two plans' decisions (tests/conftest.py: EXACT_DTYPE)."""
+    return {name: sharp_backbone(name, dtype=EXACT_DTYPE) for name in BACKBONES}
 
 
 def _key(results):
@@ -61,10 +67,8 @@ def _same_as_dynamic(target, prompts, monkeypatch, **kw) -> None:
     nfe = [r.nfe for r in dynamic]
     assert len(seen) == len(dyn) == max(nfe)
     assert all(s.shape[0] == batch_bucket(len(prompts)) for s in seen)  # padding and finished rows stay
-    # fp32 sums over other batch and canvas shapes (a padding row, prompt padding) differ in the last bits; soft
-    # iteration feeds each evaluation's predictions back as inputs, so its differences compound (1.8e-5 after 11
-    # evaluations seen): 1e-4 there, 1e-5 elsewhere
-    tol = 1e-4 if kw["policy"] == "soft" else 1e-5
+    assert next(target.parameters()).dtype == EXACT_DTYPE  # float64: tests/conftest.py says why
+    tol = EXACT_TOL
     for i, (s, d) in enumerate(zip(seen, dyn, strict=True)):
         live = [r for r in range(len(prompts)) if nfe[r] > i]  # the rows the dynamic plan still holds, in order
         torch.testing.assert_close(s[live], d, rtol=tol, atol=tol, msg=lambda m, i=i: f"{kw} evaluation {i}: {m}")
@@ -73,11 +77,12 @@ def _same_as_dynamic(target, prompts, monkeypatch, **kw) -> None:
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("name", BACKBONES)
 def test_every_policy_with_a_kv_cache_decodes_under_the_static_plan_what_it_does_under_the_dynamic_one(
-        backbones, name, cache, monkeypatch):  # fmt: skip
-    """Tokens, NFE and reveal steps equal and every live row's block logits within 1e-5, for every policy (tdlm with
-    ``full`` and ``last:2``), on a batch of three (bucket 4: a padding row) whose rows finish apart, and on one row
-    (no padding row: the static history's columns are looked up instead of the dynamic plan's aligned slice)."""
-    bb = backbones[name]
+        exact_backbones, name, cache, monkeypatch):  # fmt: skip
+    """Tokens, NFE and reveal steps equal and every live row's block logits within EXACT_TOL in float64, for every
+    policy (tdlm with ``full`` and ``last:2``), on a batch of three (bucket 4: a padding row) whose rows finish apart,
+    and on one row (no padding row: the static history's columns are looked up instead of the dynamic plan's
+    aligned slice)."""
+    bb = exact_backbones[name]
     for policy in POLICIES:
         targets = [live_tdlm(bb, history=h) for h in ("full", "last:2")] if policy == "tdlm" else [bb]
         for target in targets:
@@ -86,10 +91,10 @@ def test_every_policy_with_a_kv_cache_decodes_under_the_static_plan_what_it_does
 
 
 @pytest.mark.parametrize("name", BACKBONES)
-def test_a_batch_in_a_larger_bucket_and_a_stop_token_decode_as_the_dynamic_plan(backbones, name, monkeypatch):
+def test_a_batch_in_a_larger_bucket_and_a_stop_token_decode_as_the_dynamic_plan(exact_backbones, name, monkeypatch):
     """Five requests in bucket 8 (three padding rows), rows that stop early at a stop token, and one prompt that fills
     its 32-token bucket (decoded without an attention mask), with each cache."""
-    bb = backbones[name]
+    bb = exact_backbones[name]
     five = [*PROMPTS_A, *PROMPTS_B[:2]]
     stop = {"tiny-llada": [91], "tiny-dream": [23]}[name]
     full = [[3, 4, *range(40, 70)]]

@@ -4,7 +4,7 @@ cache's and the buckets' tests: tests/test_static_buffers.py).
 Every tensor of the history that a TDLM step writes (entries, validity, counts, columns) stays at one address for
 the whole decode and across decodes of the same batch size, which is what inductor's CUDA-graph trees need to
 replay a step that mutates it; and the static plan decodes what the dynamic one does: tokens, NFE and reveal steps
-equal, logits within 1e-5.
+equal, logits within EXACT_TOL in float64.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tdlm.decoding import decode, loop
 from tdlm.decoding.loop import POLICIES, DecodeConfig
 from tdlm.errors import TDLMError
 from tdlm.temporal.model import TDLM
-from tests.conftest import live_tdlm, sharp_backbone
+from tests.conftest import EXACT_DTYPE, EXACT_TOL, live_tdlm, sharp_backbone
 
 # two left-padded batches of the same size (one bucket), different prompts and prompt lengths
 PROMPTS_A = [[3, 5, 50, 51], [3, 4, 70, 71, 72, 73, 74, 75, 76]]
@@ -28,6 +28,12 @@ BACKBONES = ("tiny-llada", "tiny-dream")
 @pytest.fixture(scope="module")
 def backbones():
     return {name: sharp_backbone(name) for name in BACKBONES}
+
+
+@pytest.fixture(scope="module")
+def exact_backbones():
+    """The backbones in float64, for the comparisons of the two plans' decisions (tests/conftest.py: EXACT_DTYPE)."""
+    return {name: sharp_backbone(name, dtype=EXACT_DTYPE) for name in BACKBONES}
 
 
 def _pointers(cache) -> dict[str, int]:
@@ -80,11 +86,11 @@ def test_the_history_stays_at_fixed_addresses_through_two_decodes_of_one_bucket(
 
 @pytest.mark.parametrize("history", ["full", "last:2"])
 @pytest.mark.parametrize("name", BACKBONES)
-def test_the_static_plan_decodes_what_the_dynamic_one_does(backbones, name, history, monkeypatch):
+def test_the_static_plan_decodes_what_the_dynamic_one_does(exact_backbones, name, history, monkeypatch):
     """Tokens, NFE and reveal steps equal for a padded batch whose rows finish at different evaluations (the
     static plan keeps a finished row in the batch, masked) and for one row; the TDLM logits of every row still
-    decoding within 1e-5."""
-    bb = backbones[name]
+    decoding within EXACT_TOL (float64: tests/conftest.py says why)."""
+    bb = exact_backbones[name]
     model = live_tdlm(bb, history=history)
     uneven = 0  # batches whose rows finished at different evaluations
     for policy, target in (("threshold", bb), ("tdlm", model)):
@@ -103,7 +109,7 @@ def test_the_static_plan_decodes_what_the_dynamic_one_does(backbones, name, hist
             assert len(seen) == len(dyn_logits) == max(nfe)
             for i, (s, d) in enumerate(zip(seen, dyn_logits, strict=True)):
                 live = [r for r in range(len(prompts)) if nfe[r] > i]  # the rows the dynamic plan still holds
-                torch.testing.assert_close(s["logits"][0][live], d, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(s["logits"][0][live], d, rtol=EXACT_TOL, atol=EXACT_TOL)
     assert uneven == 2  # both batches (threshold, tdlm) kept a finished row while the other decoded
 
 
@@ -166,20 +172,20 @@ def _record_select(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.mark.parametrize("policy", BASELINES)
 @pytest.mark.parametrize("name", BACKBONES)
 def test_every_baseline_policy_decodes_under_the_static_plan_what_it_does_under_the_dynamic_one(
-        backbones, name, policy, monkeypatch):  # fmt: skip
-    """Tokens, NFE and reveal steps equal, with and without a stop token, on a padded batch whose rows finish at
-    different evaluations; at every evaluation the rows still decoding see the dynamic plan's confidences (credit's
-    matrices and soft's mixed embeddings of a row are neither changed by a finished row kept in the batch nor read
-    by it), and a finished row has no candidate left, so it commits nothing."""
+        exact_backbones, name, policy, monkeypatch):  # fmt: skip
+    """Tokens, NFE and reveal steps equal (float64: tests/conftest.py says why), with and without a stop token, on a
+    padded batch whose rows finish at different evaluations; at every evaluation the rows still decoding see the
+    dynamic plan's confidences (credit's matrices and soft's mixed embeddings of a row are neither changed by a
+    finished row kept in the batch nor read by it), and a finished row has no candidate left, so it commits nothing."""
     assert set(BASELINES) == {"original", "threshold", "entropy", "credit", "soft"}
     uneven = 0
     for stop in (None, STOP[name]):
         kw = dict(KW, threshold=0.6, policy=policy, stop_at_eos=stop is not None, stop_ids=stop)
         seen = _record_select(monkeypatch)
-        dynamic = decode(backbones[name], PROMPTS_C, **kw)
+        dynamic = decode(exact_backbones[name], PROMPTS_C, **kw)
         dyn = list(seen)
         seen.clear()
-        static = decode(backbones[name], PROMPTS_C, storage="static", **kw)
+        static = decode(exact_backbones[name], PROMPTS_C, storage="static", **kw)
         assert _key(static) == _key(dynamic), stop
         nfe = [r.nfe for r in dynamic]
         uneven += len(set(nfe)) > 1
@@ -188,7 +194,7 @@ def test_every_baseline_policy_decodes_under_the_static_plan_what_it_does_under_
             live = [r for r in range(len(PROMPTS_C)) if nfe[r] > i]  # the rows the dynamic plan still holds
             gone = [r for r in range(len(PROMPTS_C)) if nfe[r] <= i]
             assert torch.equal(cand[live], d_cand) and not cand[gone].any(), i
-            torch.testing.assert_close(conf[live], d_conf, rtol=1e-5, atol=1e-5)  # batch size: not bitwise
+            torch.testing.assert_close(conf[live], d_conf, rtol=EXACT_TOL, atol=EXACT_TOL)  # batch size: not bitwise
     assert uneven >= 1, "no batch kept a finished row while another decoded"
 
 

@@ -63,7 +63,8 @@ ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED = {"tiny-arith": ASSETS_DIR / "tiny-arith", "tiny-multi": ASSETS_DIR / "tiny-multi"}
 
 _FAMILIES = {"llada": (LLaDA, LLaDAConfig), "dream": (Dream, DreamConfig)}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64 is for checks of exactness on CPU (tests compare two decode paths' decisions in it), not a serving dtype
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def _family_of(raw: dict, source: str) -> str:
