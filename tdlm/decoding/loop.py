@@ -452,7 +452,7 @@ def decode(
     limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit, suppress_errors=False):
         return _decode(model, backbone, prompts, cfg, device, steps, tokenizer, stop_ids, progress, record_states,
-                       canvas)
+                       canvas, graphs=spec[1] in _CUDA_GRAPH_MODES)  # fmt: skip
 
 
 def _check_canvas(canvas: Sequence[Sequence[int]], n: int, cfg: DecodeConfig, mask_id: int) -> None:
@@ -470,7 +470,13 @@ def _check_canvas(canvas: Sequence[Sequence[int]], n: int, cfg: DecodeConfig, ma
 
 
 def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch.device, steps, tokenizer,
-            stop_ids, progress: bool, record_states: bool, canvas=None) -> list[DecodeResult]:  # fmt: skip
+            stop_ids, progress: bool, record_states: bool, canvas=None, graphs: bool = False) -> list[DecodeResult]:
+    """The loop. ``graphs``: the compiled steps capture CUDA graphs (cudagraph trees), so each evaluation begins with
+    ``torch.compiler.cudagraph_mark_step_begin()``. Without the mark, in inference every call of a compiled step
+    starts a new generation of the trees, which frees the previous call's outputs: an evaluation that runs a refresh
+    group and a window group as two calls would then read the first group's logits after the second call overwrote
+    them (:func:`_merge_logits`). With it, the calls of one evaluation are one generation, and nothing of an earlier
+    evaluation's outputs is read after the next mark (each evaluation's logits are consumed before it ends)."""
     backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
     mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
     stops = set(stop_ids) if stop_ids is not None else {backbone.eos_token_id}
@@ -554,7 +560,9 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
     _sync(device)
     t0 = time.perf_counter()
     while rows_host:
-        t_eval, graphs = time.perf_counter(), _graphs_compiled()
+        if graphs:  # one cudagraph-trees generation per evaluation (see above)
+            torch.compiler.cudagraph_mark_step_begin()
+        t_eval, n_graphs = time.perf_counter(), _graphs_compiled()
         x = ids if static else ids[active]  # (b, L); the static plan's is the canvas itself, at its fixed address
         b = len(rows_host)
         a_mask = (am if static else am[active]) if padded else None
@@ -638,7 +646,7 @@ def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch
                             f"{sum(map(bool, nan_l))} row(s), dtype {next(backbone.parameters()).dtype}; float16 "
                             f"overflows bf16-trained LLaDA / Dream: use bfloat16 or float32")  # fmt: skip
         now = time.perf_counter()
-        if _graphs_compiled() != graphs:
+        if _graphs_compiled() != n_graphs:
             excluded += now - t_eval
         if bar is not None:
             bar.update(sum(left) - sum(left_l))
