@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tdlm.decoding import decode, loop
+from tdlm.decoding import config, decode, loop
 from tdlm.errors import TDLMError
 from tdlm.temporal.model import TDLM
 from tests.conftest import EXACT_DTYPE, live_tdlm, sharp_backbone
@@ -68,6 +68,7 @@ def stand_in(monkeypatch) -> GraphTreesStandIn:
         return None if value in (False, None) else ("stand-in", "reduce-overhead")
 
     monkeypatch.setattr(loop, "check_compile", check_compile)
+    monkeypatch.setattr(config, "check_compile", check_compile)  # DecodeConfig.validate's
     monkeypatch.setattr(loop, "compiled_steps", lambda backend, mode: (s.wrap(loop._backbone_eval),
                                                                         s.wrap(TDLM.evaluate_groups)))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", s.mark_step_begin)

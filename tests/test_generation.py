@@ -253,22 +253,28 @@ def test_cli_checks_input_before_anything_starts(tmp_path, prompt_file, capsys, 
 
 
 def test_replica_reports_progress_per_batch(prompt_file, monkeypatch):
-    """progress() says how far run_shard is, batch by batch (the driver polls it from a second actor thread)."""
+    """progress() says how far run_shard is, prompt by prompt as the engine finishes them (the driver polls it from a
+    second actor thread)."""
     import tdlm.generation.worker as worker_mod
 
     seen = []
     worker = ShardWorker(WorkerSpec("tiny-llada", {"gen_length": 16, "block_size": 8}, batch_size=3))
     real = worker_mod.decode
 
-    def spy(*a, **kw):
+    def spy(*a, on_result, **kw):
         seen.append(worker.progress())
-        return real(*a, **kw)
+
+        def finished(i, r):
+            on_result(i, r)
+            seen.append(worker.progress())
+
+        return real(*a, on_result=finished, **kw)
 
     monkeypatch.setattr(worker_mod, "decode", spy)
     ps = load_prompts(PromptSource(str(prompt_file), "question", limit=N_PROMPTS))
     assert worker.progress() is None
     worker.run_shard(ShardTask(5, [p.source_id for p in ps], [p.text for p in ps]))
-    assert seen == [(5, 0), (5, 3), (5, 6)] and worker.progress() is None
+    assert seen == [(5, k) for k in range(N_PROMPTS + 1)] and worker.progress() is None
 
 
 def test_progress_line_counts_prompts_of_running_shards():

@@ -67,7 +67,7 @@ def test_one_host_read_per_evaluation(backbones, monkeypatch):
         for cache in ("none", "dual"):
             kw = dict(policy=policy, cache=cache, gen_length=16, block_size=8, threshold=0.6)
             syncs, res = count_syncs(monkeypatch, lambda: decode(backbones["tiny-dream"], PROMPTS[:2], **kw))  # noqa: B023
-            assert syncs == max(r.nfe for r in res) + 3, (policy, cache)
+            assert syncs == max(r.nfe for r in res) + 1, (policy, cache)  # tests/test_host_sync.py says why
 
 
 @pytest.fixture

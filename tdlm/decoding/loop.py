@@ -38,116 +38,28 @@ block's positions at a ``dual`` step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from tdlm.decoding.reuse import REUSE_DEFAULTS, REUSE_POLICIES, check_reuse_fields, reuse_for, settings_of
-from tdlm.decoding.static_plan import batch_bucket, prompt_bucket, static_canvas
+from tdlm.decoding.config import (  # noqa: F401 - re-exported: the settings' historical home
+    CUDA_GRAPH_MODES,
+    POLICIES,
+    STORAGE_PLANS,
+    DecodeConfig,
+    check_compile,
+)
+from tdlm.decoding.plans import DynamicRows, StaticSlots
+from tdlm.decoding.static_plan import prompt_bucket
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone
-from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache, check_cache_mode
-from tdlm.temporal.history import HistoryPolicy, column_bucket
+from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache
+from tdlm.temporal.history import column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
-
-POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
-STORAGE_PLANS = ("dynamic", "static")
-
-
-@dataclass
-class DecodeConfig:
-    """Decoding settings (paper Section 3.1 defaults: 256 tokens, block 32, tau 0.9, H 0.5)."""
-
-    policy: str = "threshold"  # original | threshold | tdlm | entropy | credit | soft
-    gen_length: int = 256  # response tokens N
-    block_size: int = 32
-    threshold: float = 0.9  # tau of Eq. (6) for threshold / tdlm
-    entropy_threshold: float = 0.5  # H for the entropy rule
-    stop_at_eos: bool = False  # paper setting: no early stop
-    cache: str = "none"  # spatial KV cache: none | prefix | dual (Fast-dLLM; tdlm/models/kv_cache.py)
-    # torch.compile each step kind (fullgraph): False | True | "reduce-overhead" (+ CUDA graphs, CUDA only) |
-    # "max-autotune" | "max-autotune-no-cudagraphs" | "eager" / "aot_eager" (dynamo's tracing-only backends)
-    compile: bool | str = False
-    # Where the state a step writes lives: "dynamic" (sized as the decode goes: history buckets, compaction,
-    # finished rows leave the batch) | "static" (allocated once at its final size, fixed addresses reused across
-    # decodes of a bucket: batch 1, 2, 4, 8, ... with padding rows, prompts padded to 32 tokens; rows stay in place
-    # until the batch ends: what CUDA graphs need; tdlm/decoding/static_plan.py)
-    storage: str = "dynamic"
-    # dInfer's defaults (tdlm/decoding/reuse.py): credit adds alpha log(1 + C) to the logits, C a per-block decayed sum
-    credit_alpha: float = REUSE_DEFAULTS["credit_alpha"]  # credit: weight alpha (0: threshold decoding)
-    credit_decay: float = REUSE_DEFAULTS["credit_decay"]  # credit: decay beta of C per evaluation, in [0, 1]
-    credit_gamma: float = REUSE_DEFAULTS["credit_gamma"]  # credit: C gains (top-1 probability) ** gamma
-    soft_weight: float = REUSE_DEFAULTS["soft_weight"]  # soft: cap of the prediction embedding's weight (0: none)
-    soft_weight_init: float = REUSE_DEFAULTS["soft_weight_init"]  # soft: its weight after the first evaluation
-    soft_weight_growth: float = REUSE_DEFAULTS["soft_weight_growth"]  # soft: its growth per evaluation
-    soft_threshold_decay: float = REUSE_DEFAULTS["soft_threshold_decay"]  # soft: tau_i = max(1 - i decay, tau); 0 off
-
-    def validate(self) -> DecodeConfig:
-        if self.policy not in POLICIES:
-            raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
-        check_cache_mode(self.cache)
-        if self.storage not in STORAGE_PLANS:
-            raise TDLMError(f"decode storage {self.storage!r} unknown; expected one of {', '.join(STORAGE_PLANS)}")
-        mode = check_compile(self.compile)
-        if mode is not None and mode[1] in _CUDA_GRAPH_MODES and self.cache != "none" and self.storage != "static":
-            # The dynamic plan's first refresh creates the spatial KV cache inside the compiled step, so it is a
-            # CUDA-graph output in the trees' pool; the next recorded call frees and reuses that memory, and the window
-            # step would read K/V that another graph overwrote (torch's cudagraph_trees; read, not run on a GPU here).
-            # The static plan allocates it before the first step, at a fixed address.
-            raise TDLMError(f"compile={self.compile!r} captures CUDA graphs, which keep the spatial KV cache "
-                            f"(cache={self.cache!r}) between steps only at a fixed address; use storage='static' "
-                            f"with it, or compile=True")  # fmt: skip
-        # written so that NaN fails too; every entry point (evaluation, harness, generation) then refuses the same
-        if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
-            raise TDLMError(f"decode threshold (tau of Eq. 6) must be a confidence in [0, 1]; got {self.threshold!r}")
-        if not (isinstance(self.entropy_threshold, (int, float)) and self.entropy_threshold > 0.0):
-            raise TDLMError(f"decode entropy_threshold (H) must be > 0; got {self.entropy_threshold!r}")
-        check_reuse_fields(self)
-        if self.gen_length < 1 or self.block_size < 1:
-            raise TDLMError(f"gen_length and block_size must be >= 1; got {self.gen_length}, {self.block_size}")
-        if self.gen_length % self.block_size:
-            divisors = [d for d in range(1, self.gen_length + 1) if self.gen_length % d == 0]
-            why = f" (cache {self.cache!r} refreshes at every block start)" if self.cache != "none" else ""
-            raise TDLMError(
-                f"gen_length={self.gen_length} must be a multiple of block_size={self.block_size}{why}; "
-                f"allowed block sizes: {', '.join(map(str, divisors))}"
-            )
-        return self
-
-    def check_history(self, history: HistoryPolicy | str) -> DecodeConfig:
-        """What :meth:`validate` cannot see: the TDLM history ``history`` (a :class:`HistoryPolicy` or its text) this
-        config would decode. :func:`decode` checks its model's; the evaluator and the harness check a history named in
-        their settings or an adapter's file before anything is loaded."""
-        policy = HistoryPolicy.parse(history)
-        if self.storage == "static" and self.policy == "tdlm" and policy.recurrent:
-            raise TDLMError(f"storage='static' does not cover history {policy}: its latents are replaced, not "
-                            f"written in place, at each evaluation; use storage='dynamic'")  # fmt: skip
-        return self
-
-    def run_settings(self) -> dict:
-        """The fields :meth:`to_dict` leaves out of a run's identity (``compile``, ``storage``): how the decode runs,
-        not what it computes. A caller that sends :meth:`to_dict` to a worker must add these, or the worker decodes
-        eager and dynamic."""
-        return {"compile": self.compile, "storage": self.storage}
-
-    def to_dict(self) -> dict:
-        """The settings as a dict; ``cache`` only when one is used and the credit / soft fields only for their policy,
-        so other settings read as before those existed (run identities and trajectory ``decode_settings`` written
-        earlier still match); never ``compile`` or ``storage``."""
-        d = dataclasses.asdict(self)
-        if d["cache"] == "none":
-            del d["cache"]
-        for name in REUSE_DEFAULTS:
-            if name not in settings_of(self.policy):
-                del d[name]
-        del d["compile"]  # how the same computation runs, not what it computes (tokens equal eager's)
-        del d["storage"]  # likewise: where the state lives (tokens, NFE and reveal steps equal the dynamic plan's)
-        return d
 
 
 @dataclass
@@ -239,90 +151,11 @@ def _merge_logits(groups: list, outs: list[torch.Tensor], b: int) -> torch.Tenso
     return merged
 
 
-# -- compilation -------------------------------------------------------------------------------------------
-# compile= value -> (torch.compile backend, mode). "eager" / "aot_eager" are dynamo's debugging backends: the
-# same fullgraph trace and guards without inductor code generation (cheap; the tests use them).
-COMPILE_CHOICES: dict = {
-    True: ("inductor", None),
-    "default": ("inductor", None),
-    "reduce-overhead": ("inductor", "reduce-overhead"),  # + CUDA graphs (CUDA only)
-    "max-autotune": ("inductor", "max-autotune"),  # + CUDA graphs (CUDA only)
-    "max-autotune-no-cudagraphs": ("inductor", "max-autotune-no-cudagraphs"),
-    "eager": ("eager", None),
-    "aot_eager": ("aot_eager", None),
-}
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+# -- compilation (the choices and their check: tdlm/decoding/config.py) -----------------------------------------------
 _COMPILED: dict = {}
 # Recompilations of one decode are bounded by the step kinds (see decode's docstring); this leaves room for a
 # few models per process. Reaching it raises instead of falling back to eager.
 RECOMPILE_LIMIT = 64
-
-
-def triton_build_needs() -> str | None:
-    """What triton's runtime lacks to build its launcher stub (a small C file that includes Python.h, compiled on
-    the first kernel of a process; triton/runtime/build.py), or None. Its lookup: ``$CC``, else gcc, else clang on
-    PATH. Without them the first compiled decode would fail deep inside triton, not with one line from tdlm."""
-    import shutil
-    import sysconfig
-
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
-    if not cc or not shutil.which(cc):
-        return "finds none ($CC unset or not found, no gcc or clang on PATH): install gcc or set CC"
-    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    if not header.exists():
-        return (f"this Python's headers are missing ({header}): install the python3-dev (Debian) or python3-devel "
-                f"package of this Python")
-    return None
-
-
-def check_compile(value, device: torch.device | str | None = None) -> tuple[str, str | None] | None:
-    """The (backend, mode) of ``compile=value`` (None: eager), checked against this torch and ``device``.
-
-    Every failure is one TDLMError line naming the setting and what to use instead; decoding never falls
-    back to eager silently."""
-    if isinstance(value, str) and value.strip().lower() in ("false", "off", "no", "none", ""):
-        return None  # the spelling of a command-line flag
-    if isinstance(value, str) and value.strip().lower() in ("true", "on", "yes"):
-        value = True
-    if value is False or value is None:
-        return None
-    key = value if value is True else str(value)
-    if key not in COMPILE_CHOICES:
-        choices = ", ".join(repr(c) for c in (False, *COMPILE_CHOICES))
-        raise TDLMError(f"compile={value!r} unknown; expected one of {choices}")
-    backend, mode = COMPILE_CHOICES[key]
-    if device is None:
-        return backend, mode
-    device = torch.device(device)
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise TDLMError(f"compile={value!r}: torch {torch.__version__} has no {backend!r} backend; use compile=False "
-                        f"or compile='aot_eager'")  # fmt: skip
-    if mode in _CUDA_GRAPH_MODES and device.type != "cuda":
-        raise TDLMError(f"compile={value!r} captures CUDA graphs and needs a CUDA device, not {device.type}; use "
-                        f"compile=True (or 'max-autotune-no-cudagraphs') on {device.type}")  # fmt: skip
-    if backend == "inductor":
-        if device.type == "cuda":
-            from torch.utils._triton import has_triton
-
-            if not has_triton():
-                raise TDLMError(f"compile={value!r}: inductor needs triton for {device}, which this torch lacks; "
-                                f"install triton or use compile=False")  # fmt: skip
-            missing = triton_build_needs()
-            if missing:
-                raise TDLMError(f"compile={value!r}: triton builds its kernel launcher with a C compiler at the first "
-                                f"kernel and {missing}; use compile=False until it is there")  # fmt: skip
-        elif device.type == "cpu":
-            try:
-                from torch._inductor.cpp_builder import get_cpp_compiler
-
-                get_cpp_compiler()
-            except Exception as e:  # noqa: BLE001 - any failure means inductor cannot build CPU kernels here
-                raise TDLMError(f"compile={value!r}: inductor on cpu needs a C++ compiler ({e}); install g++ or use "
-                                f"compile=False") from None  # fmt: skip
-        else:
-            raise TDLMError(f"compile={value!r}: this tdlm compiles with inductor on cpu and cuda only, not "
-                            f"{device.type}; use compile=False")  # fmt: skip
-    return backend, mode
 
 
 def _backbone_eval(backbone: Backbone, x, attention_mask, positions, kv, embeds=None):
@@ -373,6 +206,42 @@ def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@dataclass
+class EngineStats:
+    """Row-evaluations of a decode, summed over its evaluations: ``slots`` the rows the batch could hold (the batch
+    size, or the static plan's bucket), ``rows`` the rows computed, ``useful`` those that still had a masked position.
+    A fixed chunk shrinks (dynamic plan) or keeps its finished rows (static plan) until its slowest row ends; refill
+    gives their slots to the next requests. ``admissions``: requests admitted after a group's first fill."""
+
+    evaluations: int = 0
+    slots: int = 0
+    rows: int = 0
+    useful: int = 0
+    admissions: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Useful row-evaluations / the batch's slots over all evaluations."""
+        return self.useful / self.slots if self.slots else 0.0
+
+
+@dataclass
+class _Row:
+    """Host mirror of one batch row: its request (-1: a padding row of the static plan), slot, active block, the
+    block its spatial KV cache holds (-1: none), masked count, block and masked count at its history's last
+    compaction (:func:`window_front`), admission time, and whether it is done."""
+
+    req: int
+    slot: int
+    blk: int
+    kv: int = -1
+    left: int = 0
+    comp_blk: int = 0
+    comp_in: int = 0
+    start: float = 0.0
+    done: bool = False
+
+
 @torch.inference_mode()
 def decode(
     model: Backbone | TDLM,
@@ -384,9 +253,21 @@ def decode(
     progress: bool = False,
     record_states: bool = False,
     canvas: Sequence[Sequence[int]] | None = None,
+    batch_size: int | None = None,
+    on_result: Callable[[int, DecodeResult], None] | None = None,
+    stats: EngineStats | None = None,
     **overrides,
 ) -> list[DecodeResult]:
-    """Decode a batch of prompts (token-id lists); returns one :class:`DecodeResult` per prompt.
+    """Decode prompts (token-id lists); returns one :class:`DecodeResult` per prompt, in prompt order.
+
+    ``batch_size`` None decodes every prompt in one batch. A ``batch_size`` below the number of prompts runs the
+    engine with refill (continuous batching): the prompts are grouped by prompt bucket (32 tokens; ascending, each
+    group its own canvas) and admitted in prompt order; a row that finishes frees its slot, and the next prompt is
+    written into it between two evaluations (its first evaluation is a full refresh, which doubles as its prefill),
+    so no evaluation waits for a chunk's slowest row. A request's tokens, NFE and reveal steps do not depend on the
+    rows beside it (every row commits and counts its own), so they equal a per-prompt decode whatever the batch
+    size or arrival order. ``on_result(i, result)`` is called as prompt i finishes (a worker appends its record
+    then); ``stats`` (an :class:`EngineStats`) receives the row-evaluation counts.
 
     ``overrides`` set :class:`DecodeConfig` fields (``policy=``, ``threshold=`` ...); unknown names
     are errors. ``policy="tdlm"`` needs a :class:`TDLM`; other policies run the plain backbone (a
@@ -407,11 +288,11 @@ def decode(
     dynamic); the history's bucket changes compile nothing (its slot count is dynamic from the start). So batch
     1, 256 tokens in blocks of 32: at most 3 graphs uncached, 4 with a cache, whatever the number of steps, blocks
     or buckets. ``canvas`` continues partial responses: one list of ``gen_length`` token ids per prompt, the
-    backbone's mask id where the decode is to fill in (at least one per row); its other tokens stay, with reveal step
-    0, and NFE and reveal steps count from this decode (an on-policy roll-out, :mod:`tdlm.data.onpolicy`; the
-    backbone's own policies only). ``seconds`` exclude compilation: the wall time of every evaluation
-    during which a graph was compiled is subtracted (with ``reduce-overhead`` the CUDA graph recording of
-    the first calls is not: decode once to warm up, then time).
+    backbone's mask id where the decode is to fill in (at least one per row); its other tokens stay, with reveal
+    step 0, and NFE and reveal steps count from this decode (an on-policy roll-out, :mod:`tdlm.data.onpolicy`; the
+    backbone's own policies only). ``seconds`` run from the request's admission to its end and exclude compilation:
+    the wall time of every evaluation during which a graph was compiled is subtracted (with ``reduce-overhead`` the
+    CUDA graph recording of the first calls is not: decode once to warm up, then time).
     """
     try:
         cfg = dataclasses.replace(config or DecodeConfig(), **overrides).validate()
@@ -438,6 +319,8 @@ def decode(
     if spec is not None and cfg.policy == "tdlm" and model.policy.recurrent:
         raise TDLMError(f"compile={cfg.compile!r} does not cover history {model.policy} (a recurrent latent "
                         f"memory); decode it with compile=False")  # fmt: skip
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise TDLMError(f"decode: batch_size must be a positive integer or None; got {batch_size!r}")
     if not prompts:
         return []
     bad = [i for i, p in enumerate(prompts) if len(p) == 0]
@@ -445,14 +328,36 @@ def decode(
         raise TDLMError(f"decode: prompt(s) {bad} are empty; every request needs at least one prompt token")
     if canvas is not None:
         _check_canvas(canvas, len(prompts), cfg, backbone.mask_token_id)
-    if spec is None:
-        return _decode(model, backbone, prompts, cfg, device, None, tokenizer, stop_ids, progress, record_states,
-                       canvas)
-    steps = compiled_steps(*spec)
-    limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit, suppress_errors=False):
-        return _decode(model, backbone, prompts, cfg, device, steps, tokenizer, stop_ids, progress, record_states,
-                       canvas, graphs=spec[1] in _CUDA_GRAPH_MODES)  # fmt: skip
+    n = len(prompts)
+    if batch_size is None or batch_size >= n:
+        groups = [list(range(n))]  # one batch, one canvas
+    else:  # one canvas per prompt bucket, ascending; prompt order within each
+        buckets: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            buckets.setdefault(prompt_bucket(len(p)), []).append(i)
+        groups = [buckets[k] for k in sorted(buckets)]
+    run = _Run(model, backbone, cfg, device, tokenizer, stop_ids, record_states, on_result,
+               stats if stats is not None else EngineStats())  # fmt: skip
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n * cfg.gen_length, desc=f"decode[{cfg.policy}]", unit="tok", leave=False)
+    results: list[DecodeResult | None] = [None] * n
+    steps, graphs, patch = None, False, contextlib.nullcontext()
+    if spec is not None:
+        steps, graphs = compiled_steps(*spec), spec[1] in CUDA_GRAPH_MODES
+        limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+        patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit,
+                                           suppress_errors=False)  # fmt: skip
+    with patch:
+        for group in groups:
+            capacity = len(group) if batch_size is None else min(batch_size, len(group))
+            run.group([prompts[i] for i in group], None if canvas is None else [canvas[i] for i in group], group,
+                      capacity, steps, graphs, bar, results)  # fmt: skip
+    if bar is not None:
+        bar.close()
+    return results  # every entry set: each request finishes exactly once
 
 
 def _check_canvas(canvas: Sequence[Sequence[int]], n: int, cfg: DecodeConfig, mask_id: int) -> None:
@@ -469,243 +374,234 @@ def _check_canvas(canvas: Sequence[Sequence[int]], n: int, cfg: DecodeConfig, ma
             raise TDLMError(f"decode: canvas row {i} holds no mask token ({mask_id}): nothing to decode")
 
 
-def _decode(model, backbone: Backbone, prompts, cfg: DecodeConfig, device: torch.device, steps, tokenizer,
-            stop_ids, progress: bool, record_states: bool, canvas=None, graphs: bool = False) -> list[DecodeResult]:
-    """The loop. ``graphs``: the compiled steps capture CUDA graphs (cudagraph trees), so each evaluation begins with
-    ``torch.compiler.cudagraph_mark_step_begin()``. Without the mark, in inference every call of a compiled step
-    starts a new generation of the trees, which frees the previous call's outputs: an evaluation that runs a refresh
-    group and a window group as two calls would then read the first group's logits after the second call overwrote
-    them (:func:`_merge_logits`). With it, the calls of one evaluation are one generation, and nothing of an earlier
-    evaluation's outputs is read after the next mark (each evaluation's logits are consumed before it ends)."""
-    backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
-    mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
-    stops = set(stop_ids) if stop_ids is not None else {backbone.eos_token_id}
-    # The static plan keeps finished rows in the batch (masked: nothing left to commit, no NFE counted), so every
-    # tensor a step reads keeps its shape, and decodes in buckets: padding rows up to a batch bucket (copies of the
-    # first request whose response holds no mask: finished from the start) and prompts left-padded to a prompt
-    # bucket, every buffer at the bucket's fixed address (tdlm/decoding/static_plan.py).
-    static = cfg.storage == "static"
-    n_req = len(prompts)
-    B = batch_bucket(n_req) if static else n_req
-    P = max(len(p) for p in prompts)
-    if static:
-        P = prompt_bucket(P)
-    L = P + G
-    held = static_canvas(backbone, B, L, G, cfg.cache) if static else None
-    host_ids = torch.full((B, L), backbone.pad_token_id, dtype=torch.long)  # built on the host, one copy to device
-    host_am = torch.zeros((B, L), dtype=torch.long)
-    for i in range(B):
-        p = prompts[i] if i < n_req else prompts[0]
-        host_ids[i, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
-        host_am[i, P - len(p) :] = 1
-    host_ids[:n_req, P:] = mask_id  # padding rows: a response of pad tokens, nothing to decode
-    if canvas is not None:  # partial responses: their revealed tokens stay (reveal step 0)
-        host_ids[:n_req, P:] = torch.as_tensor([list(r) for r in canvas], dtype=torch.long)
-    if held is None:
-        ids, am = host_ids.to(device), host_am.to(device)
-        reveal = torch.zeros((B, G), dtype=torch.long, device=device)
-        nfe = torch.zeros(B, dtype=torch.long, device=device)
-    else:
-        ids, am, reveal, nfe = held.ids, held.attention_mask, held.reveal, held.nfe
-        ids.copy_(host_ids)
-        am.copy_(host_am)
-        reveal.zero_()
-        nfe.zero_()
-    # known on the host: no device read. A mask only when a row is padded: attention with a mask runs slower kernels
-    # (on a GPU SDPA's flash kernel takes none); the static plan then has an unpadded and a padded graph per kind
-    padded = any(len(p) < P for p in prompts)
-    seconds = [0.0] * B
-    states: list[list[list[int]]] = [[] for _ in range(B)]
-    active = torch.arange(B, device=device)
-    rows_host = list(range(B))  # the active rows, host mirror of `active`
-    last = G // bs - 1  # the last block (where the static plan keeps finished and padding rows)
-    blk_host = [0 if i < n_req else last for i in range(B)]  # each active row's active block (the first, or done)
-    kv_host = [-1] * B  # the block each active row's spatial KV cache holds
-    left = [G if i < n_req else 0 for i in range(B)]  # masked response positions of each active row (progress)
-    if canvas is not None:  # a partial response's first masked position gives its first active block
-        for i, row in enumerate(canvas):
-            blk_host[i] = list(row).index(mask_id) // bs
-            left[i] = sum(t == mask_id for t in row)
-    cache = model.new_cache(B, length=G, static=static) if cfg.policy == "tdlm" else None
-    # per active row, for the history's front under the dual cache (window_front): its block at the last
-    # compaction and that block's masked positions then (before any, storage column p holds position p)
-    comp_blk, comp_in = [0] * B, [min(bs, G)] * B
-    extra = getattr(model, "offset", 0)
-    # A dual window step over a front of more columns than this gathers its positions' columns instead (rows far
-    # past the last compaction); a bound of twice the window's own width, not tuned.
-    front_most = 2 * column_bucket(bs + backbone.logit_shift, G)
-    if held is not None:
-        kv_cache = held.kv_cache
-    else:
-        kv_cache = SpatialKVCache(cfg.cache, B) if cfg.cache != "none" else None
-    reuse = reuse_for(cfg, backbone, B, G, device)  # credit / soft state (tdlm/decoding/reuse.py), else None
-    # A single row under the dual cache compacts only when it changes block, and a row reveals only in its active
-    # block, so its history's columns always hold the positions from its active block's start in order: the rows
-    # of h that a temporal layer reads, a slice of h (TemporalCache.claim_rows / set_front(aligned=True)): no gather
-    # of h and no scatter-add of the correction per temporal layer. Several rows sit in different blocks.
-    # (A static history never compacts: its column p holds position p for the whole decode.)
-    in_order = cache is not None and cfg.cache == "dual" and B == 1 and not static
-    if in_order:
-        cache.claim_rows(cache.width == G)
-    pos_block = torch.arange(G, device=device) // bs  # (G,)
-    block_pos = torch.arange(bs, device=device)
-    stop_t = torch.tensor(sorted(stops), device=device)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=B * G, desc=f"decode[{cfg.policy}]", unit="tok", leave=False)
-    excluded = 0.0  # wall seconds of evaluations that compiled a graph
-    finished: set[int] = set(range(n_req, B))  # rows done (the static plan keeps them in the batch)
-    _sync(device)
-    t0 = time.perf_counter()
-    while rows_host:
-        if graphs:  # one cudagraph-trees generation per evaluation (see above)
-            torch.compiler.cudagraph_mark_step_begin()
-        t_eval, n_graphs = time.perf_counter(), _graphs_compiled()
-        x = ids if static else ids[active]  # (b, L); the static plan's is the canvas itself, at its fixed address
-        b = len(rows_host)
-        a_mask = (am if static else am[active]) if padded else None
-        if record_states:
-            for r, row in zip(rows_host, x[:, P:].tolist(), strict=True):
-                if not (static and r in finished):
-                    states[r].append(row)
-        resp = x[:, P:]  # (b, G)
-        masked = resp == mask_id
-        blk = pos_block[masked.int().argmax(1)]  # the first masked position gives the active block (b,)
-        if static:  # a finished row's block is the last one: its prefix window never starts left of a live row's
-            blk = torch.where(masked.any(1), blk, last)
-        start = blk * bs
-        idx = start[:, None] + block_pos  # (b, bs) response positions of the block
-        cand = masked.gather(1, idx)
-        positions = P + idx  # (b, bs) canvas positions whose logits are read
-        groups = _groups(kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
-                         backbone.logit_shift)  # fmt: skip
-        evals = nfe[active] if reuse is not None else None  # each row's evaluations before this one
-        if cache is not None:
-            if cfg.cache == "dual":
-                front = window_front(blk_host, comp_blk, comp_in, bs, extra, G)
-                if in_order:  # the block's columns are the window's rows from (logit shift - offset), in order
-                    cache.set_front(min(front, bs + extra), aligned=True)
-                elif static:  # the window's columns looked up: one shape whatever the block
-                    cache.set_front(None)
-                else:
-                    cache.set_front(front if front <= front_most else None)
-            elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
-                cache.set_front(cache.width)
-            outs = model.forward_groups(P, cache, [
-                StepGroup(_rows(x, r), _rows(a_mask, r), _rows(positions, r), step, r) for r, step in groups
-            ], evaluate=evaluate)  # fmt: skip
-        elif reuse is not None and reuse.feeds_inputs:
-            outs = reuse.evaluate(backbone_step, backbone, x, a_mask, groups, P, start, bs, evals)
-        else:
-            outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
-                    for r, step in groups]  # fmt: skip
-        blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
-        if static:
-            nfe += masked.any(1)  # a finished row that stays evaluates nothing of its own
-        else:
-            nfe[active] += 1
-        logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
-        conf, x0 = logp.max(-1)
-        conf = conf.exp()  # float64 probability of the greedy token
-        entropy = -(logp.exp() * logp).sum(-1) if cfg.policy == "entropy" else None
-        commit = _select(conf, cand, cfg.policy, cfg, entropy, None if reuse is None else reuse.threshold(evals))
-        new_resp = resp.clone()
-        new_resp.scatter_(1, idx, torch.where(commit, x0, resp.gather(1, idx)))
-        rows_reveal = reveal.clone() if static else reveal[active]
-        rows_reveal.scatter_(1, idx, torch.where(commit, nfe[active, None].expand_as(idx), rows_reveal.gather(1, idx)))
-        still = new_resp == mask_id
-        if cfg.stop_at_eos:
-            # Done once a stop token is committed and everything before it is revealed: the rest is
-            # filled with EOS without further evaluations (revealed at this step).
-            is_stop = torch.isin(new_resp, stop_t) & ~still
-            first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full_like(blk, G))
-            before = torch.arange(G, device=device)[None] < first_stop[:, None]
-            early = is_stop.any(1) & ~(still & before).any(1)
-            fill = still & early[:, None]
-            new_resp = torch.where(fill, torch.full_like(new_resp, backbone.eos_token_id), new_resp)
-            rows_reveal = torch.where(fill, nfe[active, None].expand_as(rows_reveal), rows_reveal)
+
+class _Run:
+    """The engine's state across the prompt groups of one :func:`decode` call, and the loop of one group."""
+
+    def __init__(self, model, backbone: Backbone, cfg: DecodeConfig, device: torch.device, tokenizer, stop_ids,
+                 record_states: bool, on_result, stats: EngineStats) -> None:  # fmt: skip
+        self.model, self.backbone, self.cfg, self.device = model, backbone, cfg, device
+        self.tokenizer, self.record_states, self.on_result, self.stats = tokenizer, record_states, on_result, stats
+        self.stops = set(stop_ids) if stop_ids is not None else {backbone.eos_token_id}
+
+    def _result(self, prompt, tokens: list[int], nfe: int, reveal: list[int], seconds: float,
+                states: list[list[int]] | None) -> DecodeResult:  # fmt: skip
+        cut = next((j for j, t in enumerate(tokens) if t in self.stops), len(tokens))
+        text = self.tokenizer.decode(tokens[:cut], skip_special_tokens=True) if self.tokenizer is not None else ""
+        return DecodeResult(tokens=tokens, text=text, nfe=nfe, seconds=seconds, reveal_step=reveal, T=nfe,
+                            prompt_ids=[int(t) for t in prompt], states=states)  # fmt: skip
+
+    def group(self, prompts, canvas, index: list[int], capacity: int, steps, graphs: bool, bar,
+              results: list) -> None:  # fmt: skip
+        """Decode the prompts of one canvas (``index``: their indices in the call) in ``capacity`` rows with refill;
+        ``graphs``: the compiled steps capture CUDA graphs (cudagraph trees), so each evaluation begins with
+        ``torch.compiler.cudagraph_mark_step_begin()``. Without the mark, in inference every call of a compiled step
+        starts a new generation of the trees, which frees the previous call's outputs: an evaluation that runs a
+        refresh group and a window group as two calls would then read the first group's logits after the second
+        call overwrote them (:func:`_merge_logits`). With it, the calls of one evaluation are one generation, and
+        nothing of an earlier evaluation's outputs is read after the next mark (each evaluation's logits are
+        consumed before it ends)."""
+        model, backbone, cfg, device = self.model, self.backbone, self.cfg, self.device
+        backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
+        mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
+        Plan = StaticSlots if cfg.storage == "static" else DynamicRows
+        P, S = Plan.shape(max(len(p) for p in prompts), capacity)  # the static plan's: buckets (static_plan.py)
+        L = P + G
+        plan = Plan(model, backbone, cfg, S, L, device)
+        # known on the host: no device read. A mask only when a row is padded: attention with a mask runs slower
+        # kernels (on a GPU SDPA's flash kernel takes none); the static plan then has an unpadded and a padded graph
+        padded = any(len(p) < P for p in prompts)
+        last = G // bs - 1  # the last block (where the static plan keeps finished and padding rows)
+        extra = getattr(model, "offset", 0)
+        # A dual window step over a front of more columns than this gathers its positions' columns instead (rows far
+        # past the last compaction); a bound of twice the window's own width, not tuned.
+        front_most = 2 * column_bucket(bs + backbone.logit_shift, G)
+        pos_block = torch.arange(G, device=device) // bs  # (G,)
+        block_pos = torch.arange(bs, device=device)
+        stop_t = torch.tensor(sorted(self.stops), device=device)
+        states: dict[int, list[list[int]]] = {}
+        queue = list(range(len(prompts)))  # admission order: prompt order
+        queue.reverse()
+        rows: list[_Row] = []
+        fills: list[int] = []  # requests admitted by each fill
+        clock = {"excluded": 0.0}  # wall seconds of evaluations that compiled a graph
+
+        def canvas_rows(reqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            """Canvas rows built on the host (one copy to the device): the prompt left-padded to P, its response all
+            masks or its partial canvas; a padding row (-1) is the first request's prompt with a response of pad
+            tokens, nothing to decode."""
+            host_ids = torch.full((len(reqs), L), backbone.pad_token_id, dtype=torch.long)
+            host_am = torch.zeros((len(reqs), L), dtype=torch.long)
+            for r, q in enumerate(reqs):
+                p = prompts[q if q >= 0 else 0]
+                host_ids[r, P - len(p) : P] = torch.as_tensor(list(p), dtype=torch.long)
+                host_am[r, P - len(p) :] = 1
+                if q >= 0:
+                    host_ids[r, P:] = mask_id if canvas is None else torch.as_tensor(list(canvas[q]), dtype=torch.long)
+            return host_ids, host_am
+
+        def new_row(q: int, slot: int, now: float) -> _Row:
+            blk, left = (0, G) if q >= 0 else (last, 0)
+            if q >= 0 and canvas is not None:  # a partial response's first masked position gives its first block
+                blk, left = list(canvas[q]).index(mask_id) // bs, sum(t == mask_id for t in canvas[q])
+            if q >= 0 and self.record_states:
+                states[q] = []
+            return _Row(q, slot, blk, left=left, comp_in=min(bs, G), start=now, done=q < 0)
+
+        def admit(now: float) -> None:
+            """Fill free slots from the queue, in order (the static plan's first fill adds padding rows, -1)."""
+            if not queue or not plan.can_join(sum(not r.done for r in rows)):
+                return
+            free = plan.free(rows)
+            if fills:  # a refill: as many free slots as requests are left
+                free = free[: len(queue)]
+            if not free:
+                return
+            reqs = [queue.pop() if queue else -1 for _ in free]  # the first fill pads the static plan's extra slots
+            self.stats.admissions += len(reqs) if fills else 0
+            fills.append(len(reqs))
+            plan.admit(free, *canvas_rows(reqs))
+            plan.place(rows, [new_row(q, s, now) for q, s in zip(reqs, free, strict=True)])
+
+        def deliver(got: list[int], done: tuple) -> None:
+            """Results of rows that finished: ``got`` their staged responses, reveal steps and NFE, row after row."""
+            width = 2 * G + 1
+            for k, (r, seconds) in enumerate(zip(done[0], done[1], strict=True)):
+                row = got[k * width : (k + 1) * width]
+                res = self._result(prompts[r.req], row[:G], row[-1], row[G:-1], seconds,
+                                   states.pop(r.req, None) if self.record_states else None)  # fmt: skip
+                results[index[r.req]] = res
+                if self.on_result is not None:
+                    self.on_result(index[r.req], res)
+
+        pending = None  # (rows, seconds, staged device tensor) of the rows that finished at the last evaluation
+        _sync(device)
+        t0 = time.perf_counter()
+        admit(0.0)
+        while any(not r.done for r in rows):
+            if graphs:  # one cudagraph-trees generation per evaluation (see above)
+                torch.compiler.cudagraph_mark_step_begin()
+            t_eval, n_graphs = time.perf_counter(), _graphs_compiled()
+            x = plan.view(plan.ids)  # (b, L); the static plan's is the canvas itself, at its fixed address
+            b = len(rows)
+            a_mask = plan.view(plan.am) if padded else None
+            if self.record_states:
+                for r, resp_row in zip(rows, x[:, P:].tolist(), strict=True):
+                    if not r.done:
+                        states[r.req].append(resp_row)
+            resp = x[:, P:]  # (b, G)
+            masked = resp == mask_id
+            # the first masked position gives the active block; a finished row's is the last one (the static plan
+            # keeps it: its prefix window never starts left of a live row's)
+            blk = torch.where(masked.any(1), pos_block[masked.int().argmax(1)], last)  # (b,)
+            start = blk * bs
+            idx = start[:, None] + block_pos  # (b, bs) response positions of the block
+            cand = masked.gather(1, idx)
+            positions = P + idx  # (b, bs) canvas positions whose logits are read
+            blk_host, kv_host = [r.blk for r in rows], [r.kv for r in rows]
+            groups = _groups(plan.kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
+                             backbone.logit_shift)  # fmt: skip
+            for r, k in zip(rows, kv_host, strict=True):
+                r.kv = k
+            reuse, cache = plan.reuse, plan.cache
+            # each row's evaluations before this one (a copy: the static plan's view is the NFE it counts on)
+            evals = plan.view(plan.nfe).clone() if reuse is not None else None
+            if cache is not None:
+                if cfg.cache == "dual":
+                    front = window_front(blk_host, [r.comp_blk for r in rows], [r.comp_in for r in rows], bs, extra,
+                                         G)  # fmt: skip
+                    plan.set_dual_front(front, front_most, bs + extra)
+                elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
+                    cache.set_front(cache.width)
+                outs = model.forward_groups(P, cache, [
+                    StepGroup(_rows(x, r), _rows(a_mask, r), _rows(positions, r), step, r) for r, step in groups
+                ], evaluate=evaluate)  # fmt: skip
+            elif reuse is not None and reuse.feeds_inputs:
+                outs = reuse.evaluate(backbone_step, backbone, x, a_mask, groups, P, start, bs, evals)
+            else:
+                outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
+                        for r, step in groups]  # fmt: skip
+            blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
+            plan.count(masked)
+            nfe_rows = plan.view(plan.nfe)
+            logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
+            conf, x0 = logp.max(-1)
+            conf = conf.exp()  # float64 probability of the greedy token
+            entropy = -(logp.exp() * logp).sum(-1) if cfg.policy == "entropy" else None
+            commit = _select(conf, cand, cfg.policy, cfg, entropy, None if reuse is None else reuse.threshold(evals))
+            new_resp = resp.clone()
+            new_resp.scatter_(1, idx, torch.where(commit, x0, resp.gather(1, idx)))
+            rows_reveal = plan.reveal_rows()
+            rows_reveal.scatter_(1, idx, torch.where(commit, nfe_rows[:, None].expand_as(idx),
+                                                     rows_reveal.gather(1, idx)))  # fmt: skip
             still = new_resp == mask_id
-        if static:  # in place, at the canvas's fixed addresses
-            ids[:, P:].copy_(new_resp)
-            reveal.copy_(rows_reveal)
-        else:
-            ids[active, P:] = new_resp
-            reveal[active] = rows_reveal
-        # The one host synchronisation of the evaluation: which rows are done, each row's next active block,
-        # its masked count, and whether its logits were finite (a NaN greedy token would commit id 0 silently:
-        # fp16 overflows the bf16-trained releases on a GPU).
-        count = still.sum(1)
-        next_blk = pos_block[still.int().argmax(1)]
-        if static:
-            next_blk = torch.where(count == 0, last, next_blk)
-        done_l, next_l, left_l, nan_l = torch.stack([count == 0, next_blk, count, conf.isnan().any(1)]).tolist()
-        if any(nan_l):
-            raise TDLMError(f"decode: the backbone's logits are not finite (NaN) at evaluation {int(nfe.max())} of "
-                            f"{sum(map(bool, nan_l))} row(s), dtype {next(backbone.parameters()).dtype}; float16 "
-                            f"overflows bf16-trained LLaDA / Dream: use bfloat16 or float32")  # fmt: skip
-        now = time.perf_counter()
-        if _graphs_compiled() != n_graphs:
-            excluded += now - t_eval
-        if bar is not None:
-            bar.update(sum(left) - sum(left_l))
-        left, blk_host = left_l, next_l
-        if static:  # rows stay in place; the batch ends when every row is done
-            for r, d in zip(rows_host, done_l, strict=True):
-                if d and r not in finished:
-                    seconds[r] = now - t0 - excluded
-                    finished.add(r)
-            if kv_cache is not None:  # a finished row is never refreshed again: it rides the window steps
-                kv_host = [last if i in finished and k >= 0 else k for i, k in enumerate(kv_host)]
-            if len(finished) == B:
-                rows_host = []
-        elif any(done_l):
-            for r, d in zip(rows_host, done_l, strict=True):
-                if d:
-                    seconds[r] = now - t0 - excluded
-            keep = [i for i, d in enumerate(done_l) if not d]
-            rows_host = [rows_host[i] for i in keep]
-            blk_host, kv_host, left = [blk_host[i] for i in keep], [kv_host[i] for i in keep], [left[i] for i in keep]
-            comp_blk, comp_in = [comp_blk[i] for i in keep], [comp_in[i] for i in keep]
-            if rows_host:
-                keep_t = _index(keep, device)
-                active = active[keep_t]
-                still = still[keep_t]
-                if cache is not None:
-                    cache.select(keep_t)
-                if kv_cache is not None:
-                    kv_cache.select(keep_t)
-                if reuse is not None:
-                    reuse.select(keep_t)
-        # A dual window step reads only the front, so dropping columns inside a block would save only the next
-        # refresh's work, for a copy of the whole storage (about 3% of an evaluation at the medium bench shape on
-        # this CPU, docs/decoding.md): under the dual cache the loop compacts once a row has changed block.
-        moved = cfg.cache != "dual" or any(k != k0 for k, k0 in zip(blk_host, comp_blk, strict=True))
-        if cache is not None and rows_host and moved and cache.compact(still, max(left)):
-            # the history of revealed positions is dead: fewer storage columns, each row's from its active block on
-            comp_blk = list(blk_host)
-            comp_in = [n - (G - (k + 1) * bs) for n, k in zip(left, blk_host, strict=True)]
-            if in_order:  # kept: the positions from the new block's start, W of them unless rounded up
-                cache.claim_rows(cache.width == left[0])
-    if bar is not None:
-        bar.close()
-    results = []
-    all_tokens, all_nfe, all_reveal = ids[:, P:].tolist(), nfe.tolist(), reveal.tolist()  # three reads in all
-    for i, p in enumerate(prompts):  # (the static plan's padding rows are not requests)
-        toks = all_tokens[i]
-        cut = next((j for j, t in enumerate(toks) if t in stops), len(toks))
-        text = tokenizer.decode(toks[:cut], skip_special_tokens=True) if tokenizer is not None else ""
-        results.append(
-            DecodeResult(
-                tokens=toks,
-                text=text,
-                nfe=all_nfe[i],
-                seconds=seconds[i],
-                reveal_step=all_reveal[i],
-                T=all_nfe[i],
-                prompt_ids=[int(t) for t in p],
-                states=states[i] if record_states else None,
-            )
-        )
-    return results
+            if cfg.stop_at_eos:
+                # Done once a stop token is committed and everything before it is revealed: the rest is
+                # filled with EOS without further evaluations (revealed at this step).
+                is_stop = torch.isin(new_resp, stop_t) & ~still
+                first_stop = torch.where(is_stop.any(1), is_stop.int().argmax(1), torch.full_like(blk, G))
+                before = torch.arange(G, device=device)[None] < first_stop[:, None]
+                early = is_stop.any(1) & ~(still & before).any(1)
+                fill = still & early[:, None]
+                new_resp = torch.where(fill, torch.full_like(new_resp, backbone.eos_token_id), new_resp)
+                rows_reveal = torch.where(fill, nfe_rows[:, None].expand_as(rows_reveal), rows_reveal)
+                still = new_resp == mask_id
+            plan.write(new_resp, rows_reveal, P)
+            # The one host synchronisation of the evaluation: which rows are done, each row's next active block,
+            # its masked count, and whether its logits were finite (a NaN greedy token would commit id 0 silently:
+            # fp16 overflows the bf16-trained releases on a GPU).
+            count = still.sum(1)
+            next_blk = torch.where(count == 0, last, pos_block[still.int().argmax(1)])
+            head = torch.stack([count == 0, next_blk, count, conf.isnan().any(1)]).flatten()  # (4 b,)
+            got = (head if pending is None else torch.cat([head, pending[2].flatten()])).tolist()
+            done_l, next_l, left_l, nan_l = (got[k * b : (k + 1) * b] for k in range(4))
+            if any(nan_l):
+                raise TDLMError(f"decode: the backbone's logits are not finite (NaN) at evaluation "
+                                f"{int(nfe_rows.max())} of {sum(map(bool, nan_l))} row(s), dtype "
+                                f"{next(backbone.parameters()).dtype}; float16 overflows bf16-trained LLaDA / "
+                                f"Dream: use bfloat16 or float32")  # fmt: skip
+            now = time.perf_counter()
+            if _graphs_compiled() != n_graphs:
+                clock["excluded"] += now - t_eval
+            elapsed = now - t0 - clock["excluded"]
+            self.stats.evaluations += 1
+            self.stats.rows += b
+            self.stats.slots += S
+            self.stats.useful += sum(not r.done for r in rows)
+            if bar is not None:
+                bar.update(sum(r.left for r in rows) - sum(left_l))
+            if pending is not None:  # the rows that finished at the previous evaluation, read with this one's sync
+                deliver(got[4 * b :], pending)
+                pending = None
+            finished = [i for i, (r, d) in enumerate(zip(rows, done_l, strict=True)) if d and not r.done]
+            for r, k, n_left in zip(rows, next_l, left_l, strict=True):
+                r.blk, r.left = k, n_left
+            if finished:
+                # Their responses, reveal steps and NFE copied on the device now (the next admission may write their
+                # slots), read back with the next evaluation's sync, or once after the last one.
+                slots = _index([rows[i].slot for i in finished], device)
+                stage = torch.cat([plan.ids[slots, P:], plan.reveal[slots], plan.nfe[slots, None]], 1)
+                pending = ([rows[i] for i in finished], [elapsed - rows[i].start for i in finished], stage)
+                for i in finished:
+                    rows[i].done = True
+                    if rows[i].kv >= 0:  # a finished row that stays is never refreshed again: it rides the window
+                        rows[i].kv = last  # steps (until a request is admitted into its slot)
+                keep = plan.staying(rows)  # the dynamic plan's finished rows leave the batch
+                if len(keep) < len(rows):
+                    plan.leave(keep)
+                    rows[:] = [rows[i] for i in keep]
+                    still = still[_index(keep, device)] if keep else still[:0]
+            # A dual window step reads only the front, so dropping columns inside a block would save only the next
+            # refresh's work, for a copy of the whole storage (about 3% of an evaluation at the medium bench shape on
+            # this CPU, docs/decoding.md): under the dual cache the loop compacts once a row has changed block.
+            moved = cfg.cache != "dual" or any(r.blk != r.comp_blk for r in rows)
+            if cache is not None and plan.cache is not None and rows and moved and \
+                    plan.cache.compact(still, max(r.left for r in rows)):  # fmt: skip
+                # the history of revealed positions is dead: fewer storage columns, each row's from its active block
+                for r in rows:
+                    r.comp_blk, r.comp_in = r.blk, r.left - (G - (r.blk + 1) * bs)
+                plan.compacted([r.left for r in rows])
+            admit(elapsed)
+        if pending is not None:
+            deliver(pending[2].flatten().tolist(), pending)

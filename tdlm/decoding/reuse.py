@@ -130,6 +130,17 @@ class Credit:
         if self.credit is not None:
             self.credit = self.credit[keep]
 
+    def extend(self, n: int) -> None:
+        """``n`` new rows at the end (the engine's refill, dynamic storage): no block yet, so their first evaluation
+        starts their credit from zero."""
+        self.block = torch.cat([self.block, self.block.new_full((n,), -1)])
+        if self.credit is not None:
+            self.credit = torch.cat([self.credit, self.credit.new_zeros((n, *self.credit.shape[1:]))])
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """New requests in the freed rows ``rows`` (static storage): their credit starts from zero."""
+        self.block[rows] = -1
+
 
 class Soft:
     """Each active row's prediction embeddings w_i softmax(z_p) @ E (b, G, d) of its response positions."""
@@ -190,3 +201,12 @@ class Soft:
 
     def select(self, keep: torch.Tensor) -> None:
         self.mixed = self.mixed[keep]
+
+    def extend(self, n: int) -> None:
+        """``n`` new rows at the end (the engine's refill, dynamic storage): plain embeddings at their first
+        evaluation."""
+        self.mixed = torch.cat([self.mixed, self.mixed.new_zeros((n, *self.mixed.shape[1:]))])
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """New requests in the freed rows ``rows`` (static storage): no prediction mixed in yet."""
+        self.mixed[rows] = 0

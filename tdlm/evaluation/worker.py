@@ -8,10 +8,11 @@ restriction is switched with :meth:`tdlm.TDLM.set_history`, which leaves the wei
 For every shard job: open the shard file (cutting an interrupted last line), skip ids already there
 (a Ray retry or a resumed evaluation), build prompt ids with the chat template
 (:func:`tdlm.data.tokenizer.encode_prompts`), run ``warmup`` untimed decodes so the timed ones exclude
-lazy initialisation (CUDA context, allocator, kernel selection), then decode ``batch_size`` prompts at
-a time and append one flushed record per sample. Records carry the generation, the response token ids,
-NFE and the seconds :func:`tdlm.decode` measured (device-synchronised; with batch size 1 the latency of
-that request).
+lazy initialisation (CUDA context, allocator, kernel selection), then decode ``batch_size`` rows at a time with
+the decode engine's refill (a finished row takes the next problem) and append one flushed record per sample as it
+finishes. Records carry the generation, the response token ids,
+NFE and the seconds :func:`tdlm.decode` measured (device-synchronised, from the request's admission to its end;
+with batch size 1 the latency of that request).
 """
 
 from __future__ import annotations
@@ -152,19 +153,20 @@ class EvalWorker:
                 kw = dict(tokenizer=self.tokenizer, stop_ids=self.stop_ids)
                 for _ in range(job.warmup):
                     decode(model, ids[: job.batch_size], cfg, **kw)
-                for start in range(0, len(todo), job.batch_size):
-                    chunk = range(start, min(start + job.batch_size, len(todo)))
-                    results = decode(model, [ids[i] for i in chunk], cfg, **kw)
-                    for i, r in zip(chunk, results, strict=True):
-                        pid, index, prompt = todo[i]
-                        out.write({
-                            "id": pid, "index": index, "prompt": prompt, "generation": r.text, "nfe": r.nfe,
-                            "seconds": r.seconds, "prompt_tokens": len(ids[i]), "tokens": r.tokens,
-                            "batch_size": len(chunk), "worker": self.meta,
-                        })  # fmt: skip
-                        self._count_written()
+
+                def finished(i: int, r) -> None:  # a record as each request finishes: nothing lost on a crash
+                    pid, index, prompt = todo[i]
+                    out.write({
+                        "id": pid, "index": index, "prompt": prompt, "generation": r.text, "nfe": r.nfe,
+                        "seconds": r.seconds, "prompt_tokens": len(ids[i]), "tokens": r.tokens,
+                        "batch_size": min(job.batch_size, len(todo)), "worker": self.meta,
+                    })  # fmt: skip
+                    self._count_written()
                     if progress is not None:
-                        progress(len(chunk))
+                        progress(1)
+
+                # one engine run: batch_size rows, a finished row taking the next problem (refill)
+                decode(model, ids, cfg, batch_size=job.batch_size, on_result=finished, **kw)
         return ShardReport(job.run_dir, job.shard, len(todo), len(job.problems) - len(todo),
                            time.perf_counter() - t0, dict(self.meta))  # fmt: skip
 

@@ -3,8 +3,8 @@
 The class is plain Python so tests and benches can run it without Ray; the driver wraps it with
 ``ray.remote``. A replica loads the backbone (plus the TDLM adapter for policy ``tdlm``) and the
 backbone's tokenizer once, then for every shard: chat template -> token ids
-(:func:`tdlm.data.tokenizer.encode_prompts`), batches of ``batch_size`` prompts of similar length (less
-left padding), :func:`tdlm.decode`, and one :class:`~tdlm.data.trajectories.TrajectoryRecord` per prompt
+(:func:`tdlm.data.tokenizer.encode_prompts`), :func:`tdlm.decode` ``batch_size`` rows at a time with refill, in
+order of prompt length (less left padding), and one :class:`~tdlm.data.trajectories.TrajectoryRecord` per prompt
 in prompt order. It writes no files: the driver is the only writer of the output dir.
 """
 
@@ -204,18 +204,22 @@ class ShardWorker:
 
     def _decode_sorted(self, ids: list[list[int]], model, config: DecodeConfig, shard: int,
                        canvas: list[list[int]] | None = None) -> list:  # fmt: skip
-        """Decode in batches of similar prompt length (less left padding); decode() gives the same tokens batched or
-        alone, so the grouping does not change the output. Results in the order of ``ids``."""
+        """Decode ``batch_size`` rows at a time with the engine's refill, admitted in order of prompt length (one canvas
+        per prompt bucket: less left padding); decode() gives the same tokens batched or alone, so neither the order
+        nor the refill changes the output. Results in the order of ``ids``."""
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        done = [0]
+
+        def finished(k: int, r) -> None:
+            done[0] += 1
+            self._progress = (shard, done[0])
+
+        out = decode(model, [ids[i] for i in order], config, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                     canvas=None if canvas is None else [canvas[i] for i in order], batch_size=self.spec.batch_size,
+                     on_result=finished)  # fmt: skip
         results: list = [None] * len(ids)
-        bs = self.spec.batch_size
-        for start in range(0, len(order), bs):
-            chunk = order[start : start + bs]
-            out = decode(model, [ids[i] for i in chunk], config, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
-                         canvas=None if canvas is None else [canvas[i] for i in chunk])  # fmt: skip
-            for i, r in zip(chunk, out, strict=True):
-                results[i] = r
-            self._progress = (shard, start + len(chunk))
+        for i, r in zip(order, out, strict=True):
+            results[i] = r
         return results
 
     def _roll_out(self, task: ShardTask, ids: list[list[int]], students: list[TrajectoryRecord]):

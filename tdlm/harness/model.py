@@ -8,8 +8,9 @@
   it); ``backbone=`` is accepted as an alias. Every field is checked before a weight is loaded: an unknown key gets a
   "did you mean", ranges are enforced (``threshold`` in [0, 1], ``entropy_threshold`` > 0, ...), one line each;
 
-* requests are decoded in batches of ``--batch_size`` (left-padded; each row counts its own NFE and leaves the batch
-  when done, so a batch gives the tokens of per-request runs), longest prompts first;
+* requests are decoded ``--batch_size`` rows at a time by the decode engine, a finished row taking the next request
+  (left-padded per prompt bucket; each row counts its own NFE, so a batch gives the tokens of per-request runs),
+  longest prompts first;
 * chat template: with ``--apply_chat_template`` the harness renders the conversation through the backbone's template
   (:meth:`apply_chat_template`); otherwise ``chat=true`` (default, as tdlm's own evaluator) sends each context as one
   user message through the template, ``chat=false`` feeds the raw text;
@@ -300,21 +301,23 @@ class TDLMHarnessLM(LM):
         bs = self.batch_size_per_call
         with tqdm(total=len(items), desc=f"tdlm[{self.decode_config.policy}]", unit="req",
                   disable=disable_tqdm or self.rank != 0) as bar:  # fmt: skip
-            for s in range(0, len(items), bs):
-                batch = items[s : s + bs]
-                res = decode(self.model, [it[1] for it in batch], self.decode_config, tokenizer=self.tokenizer,
-                             stop_ids=self.stop_ids)
-                for (i, _ids, until, task, req), r in zip(batch, res, strict=True):
-                    text = r.text
-                    for stop in until:
-                        text = text.split(stop, 1)[0]
-                    out[i] = text
-                    self.stats[task].append((r.nfe, r.seconds, len(r.tokens)))
-                    doc = req.doc if isinstance(req.doc, dict) else {}
-                    if "task" in doc and "id" in doc:
-                        NFE_BY_DOC[(str(doc["task"]), str(doc["id"]))] = int(r.nfe)
-                    self.cache_hook.add_partial("generate_until", req.args, text)
-                bar.update(len(batch))
+
+            def finished(k: int, r) -> None:  # the engine hands each request over as it finishes
+                i, _ids, until, task, req = items[k]
+                text = r.text
+                for stop in until:
+                    text = text.split(stop, 1)[0]
+                out[i] = text
+                self.stats[task].append((r.nfe, r.seconds, len(r.tokens)))
+                doc = req.doc if isinstance(req.doc, dict) else {}
+                if "task" in doc and "id" in doc:
+                    NFE_BY_DOC[(str(doc["task"]), str(doc["id"]))] = int(r.nfe)
+                self.cache_hook.add_partial("generate_until", req.args, text)
+                bar.update(1)
+
+            # one engine run: a finished row takes the next request (refill), batch_size rows at a time
+            decode(self.model, [it[1] for it in items], self.decode_config, tokenizer=self.tokenizer,
+                   stop_ids=self.stop_ids, batch_size=bs, on_result=finished)  # fmt: skip
         for task, st in self.decode_stats().items():
             log.info("tdlm %s: %d requests, mean NFE %.2f, %.3f s/request, %.2f tokens/NFE (%.0f s this call)", task,
                      st["requests"], st["nfe_mean"], st["seconds_mean"], st["tokens_per_nfe"], time.perf_counter() - t0)

@@ -122,6 +122,17 @@ class SpatialKVCache:
                 store[layer] = t.index_select(0, index.to(t.device))
         self.batch_size = int(index.numel())
 
+    def extend(self, n: int) -> None:
+        """Admit ``n`` new rows at the end of the batch (dynamic storage; the decode engine's refill). Their entries are
+        zeros until their first evaluation, a refresh, writes every position; a static cache keeps its rows, and a
+        refresh of a freed row overwrites it whole."""
+        if self.static:
+            raise TDLMError("a static spatial KV cache keeps its rows in place; a refresh overwrites a freed row")
+        for store in (self.keys, self.values):
+            for layer, t in store.items():
+                store[layer] = torch.cat([t, t.new_zeros((n, *t.shape[1:]))], 0)
+        self.batch_size += n
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())
 

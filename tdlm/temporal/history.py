@@ -440,6 +440,49 @@ class TemporalCache:
         if self.layers:
             self._slots_dynamic()
 
+    def extend(self, n: int) -> None:
+        """Admit ``n`` new rows at the end of the batch (the decode engine refilling freed rows; dynamic storage): each
+        with every response position in its own column (position w in column w), no entry and only the sink valid, as
+        :meth:`allocate` leaves a row. A compacted storage is widened back to N columns, the old rows' new columns empty
+        (position N), as compaction leaves the columns of a row with fewer masked positions; it compacts again when
+        the loop next can. Promises about the columns (:meth:`set_front`, :meth:`claim_rows`) are withdrawn."""
+        if self.static:
+            raise TDLMError("a static history keeps its rows in place; admit into a freed row with reset_rows()")
+        if n < 1:
+            return
+        self.batch_size += n
+        self.front, self.suffix, self.front_aligned = None, False, False
+        if not self.layers:  # not allocated yet: allocation sizes it for the whole batch
+            return
+        N, W = self.length, self.width
+        dev = self.cols.device
+        if W < N:  # widen every row back to N columns; the new columns hold no position
+            pad = N - W
+            self.cols = torch.cat([self.cols, self.cols.new_full((self.cols.shape[0], pad), N)], 1)
+            self.count = torch.cat([self.count, self.count.new_zeros((self.count.shape[0], pad))], 1)
+            self.valid = torch.cat([self.valid, self.sink_column().expand(self.valid.shape[0], pad, -1)], 1)
+            for lh in self.layers.values():
+                lh.kv = torch.cat([lh.kv, lh.kv.new_zeros((lh.kv.shape[0], pad, *lh.kv.shape[2:]))], 1)
+        self.cols = torch.cat([self.cols, torch.arange(N, device=dev).expand(n, N)], 0)
+        self.count = torch.cat([self.count, self.count.new_zeros((n, N))], 0)
+        self.valid = torch.cat([self.valid, self.sink_column().expand(n, N, -1)], 0)
+        for lh in self.layers.values():
+            lh.kv = torch.cat([lh.kv, lh.kv.new_zeros((n, *lh.kv.shape[1:]))], 0)
+        self._slots_dynamic()
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Empty the batch rows ``rows`` of a static history in place, for new requests in freed rows (the decode
+        engine's refill): no entry, only the sink valid, column w holding position w; the other rows and every
+        address are unchanged."""
+        if not self.static:
+            raise TDLMError("reset_rows() empties rows of a static history in place; a dynamic one extends")
+        if not self.layers:
+            return
+        self.count[rows] = 0
+        self.valid[rows] = self.sink_column()
+        for lh in self.layers.values():
+            lh.kv[rows] = 0
+
     def entry_validity(self) -> torch.Tensor | None:
         """(B, C, N) bool: which slot of each position holds a usable entry (the sink left out)."""
         return None if self.valid is None else self.by_position(self.valid[:, :, 1:]).transpose(1, 2)
@@ -515,6 +558,12 @@ class LatentCache(TemporalCache):
         if self.alive is not None:
             self.alive = self.alive.index_select(0, index.to(self.alive.device))
         self.batch_size = int(index.numel())
+
+    def extend(self, n: int) -> None:
+        """A recurrent memory folds every evaluation of a row into its latents and one progress count per row, and a
+        new row would start from the learned initial latents that the batch's first evaluation reads for all rows at
+        once: the engine admits into a ``latent:M`` batch only when it is empty."""
+        raise TDLMError(f"history {self.policy} cannot admit rows into a running batch; start a new batch")
 
     def compact(self, still: torch.Tensor, most: int) -> bool:
         """Latents are kept for every position (the Perceiver folds each one forward): nothing to compact."""

@@ -1,0 +1,193 @@
+"""Decoding settings (:class:`DecodeConfig`, one line per bad value) and the check of a ``compile=`` value against this
+torch and a device (:func:`check_compile`): what every entry point validates before anything is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tdlm.decoding.reuse import REUSE_DEFAULTS, REUSE_POLICIES, check_reuse_fields, settings_of
+from tdlm.errors import TDLMError
+from tdlm.models.kv_cache import check_cache_mode
+from tdlm.temporal.history import HistoryPolicy
+
+POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
+STORAGE_PLANS = ("dynamic", "static")
+
+
+@dataclass
+class DecodeConfig:
+    """Decoding settings (paper Section 3.1 defaults: 256 tokens, block 32, tau 0.9, H 0.5)."""
+
+    policy: str = "threshold"  # original | threshold | tdlm | entropy | credit | soft
+    gen_length: int = 256  # response tokens N
+    block_size: int = 32
+    threshold: float = 0.9  # tau of Eq. (6) for threshold / tdlm
+    entropy_threshold: float = 0.5  # H for the entropy rule
+    stop_at_eos: bool = False  # paper setting: no early stop
+    cache: str = "none"  # spatial KV cache: none | prefix | dual (Fast-dLLM; tdlm/models/kv_cache.py)
+    # torch.compile each step kind (fullgraph): False | True | "reduce-overhead" (+ CUDA graphs, CUDA only) |
+    # "max-autotune" | "max-autotune-no-cudagraphs" | "eager" / "aot_eager" (dynamo's tracing-only backends)
+    compile: bool | str = False
+    # Where the state a step writes lives: "dynamic" (sized as the decode goes: history buckets, compaction,
+    # finished rows leave the batch) | "static" (allocated once at its final size, fixed addresses reused across
+    # decodes of a bucket: batch 1, 2, 4, 8, ... with padding rows, prompts padded to 32 tokens; rows stay in place
+    # until the batch ends: what CUDA graphs need; tdlm/decoding/static_plan.py)
+    storage: str = "dynamic"
+    # dInfer's defaults (tdlm/decoding/reuse.py): credit adds alpha log(1 + C) to the logits, C a per-block decayed sum
+    credit_alpha: float = REUSE_DEFAULTS["credit_alpha"]  # credit: weight alpha (0: threshold decoding)
+    credit_decay: float = REUSE_DEFAULTS["credit_decay"]  # credit: decay beta of C per evaluation, in [0, 1]
+    credit_gamma: float = REUSE_DEFAULTS["credit_gamma"]  # credit: C gains (top-1 probability) ** gamma
+    soft_weight: float = REUSE_DEFAULTS["soft_weight"]  # soft: cap of the prediction embedding's weight (0: none)
+    soft_weight_init: float = REUSE_DEFAULTS["soft_weight_init"]  # soft: its weight after the first evaluation
+    soft_weight_growth: float = REUSE_DEFAULTS["soft_weight_growth"]  # soft: its growth per evaluation
+    soft_threshold_decay: float = REUSE_DEFAULTS["soft_threshold_decay"]  # soft: tau_i = max(1 - i decay, tau); 0 off
+
+    def validate(self) -> DecodeConfig:
+        if self.policy not in POLICIES:
+            raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
+        check_cache_mode(self.cache)
+        if self.storage not in STORAGE_PLANS:
+            raise TDLMError(f"decode storage {self.storage!r} unknown; expected one of {', '.join(STORAGE_PLANS)}")
+        mode = check_compile(self.compile)
+        if mode is not None and mode[1] in CUDA_GRAPH_MODES and self.cache != "none" and self.storage != "static":
+            # The dynamic plan's first refresh creates the spatial KV cache inside the compiled step, so it is a
+            # CUDA-graph output in the trees' pool; the next recorded call frees and reuses that memory, and the window
+            # step would read K/V that another graph overwrote (torch's cudagraph_trees; read, not run on a GPU here).
+            # The static plan allocates it before the first step, at a fixed address.
+            raise TDLMError(f"compile={self.compile!r} captures CUDA graphs, which keep the spatial KV cache "
+                            f"(cache={self.cache!r}) between steps only at a fixed address; use storage='static' "
+                            f"with it, or compile=True")  # fmt: skip
+        # written so that NaN fails too; every entry point (evaluation, harness, generation) then refuses the same
+        if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold <= 1.0):
+            raise TDLMError(f"decode threshold (tau of Eq. 6) must be a confidence in [0, 1]; got {self.threshold!r}")
+        if not (isinstance(self.entropy_threshold, (int, float)) and self.entropy_threshold > 0.0):
+            raise TDLMError(f"decode entropy_threshold (H) must be > 0; got {self.entropy_threshold!r}")
+        check_reuse_fields(self)
+        if self.gen_length < 1 or self.block_size < 1:
+            raise TDLMError(f"gen_length and block_size must be >= 1; got {self.gen_length}, {self.block_size}")
+        if self.gen_length % self.block_size:
+            divisors = [d for d in range(1, self.gen_length + 1) if self.gen_length % d == 0]
+            why = f" (cache {self.cache!r} refreshes at every block start)" if self.cache != "none" else ""
+            raise TDLMError(
+                f"gen_length={self.gen_length} must be a multiple of block_size={self.block_size}{why}; "
+                f"allowed block sizes: {', '.join(map(str, divisors))}"
+            )
+        return self
+
+    def check_history(self, history: HistoryPolicy | str) -> DecodeConfig:
+        """What :meth:`validate` cannot see: the TDLM history ``history`` (a :class:`HistoryPolicy` or its text) this
+        config would decode. :func:`decode` checks its model's; the evaluator and the harness check a history named in
+        their settings or an adapter's file before anything is loaded."""
+        policy = HistoryPolicy.parse(history)
+        if self.storage == "static" and self.policy == "tdlm" and policy.recurrent:
+            raise TDLMError(f"storage='static' does not cover history {policy}: its latents are replaced, not "
+                            f"written in place, at each evaluation; use storage='dynamic'")  # fmt: skip
+        return self
+
+    def run_settings(self) -> dict:
+        """The fields :meth:`to_dict` leaves out of a run's identity (``compile``, ``storage``): how the decode runs,
+        not what it computes. A caller that sends :meth:`to_dict` to a worker must add these, or the worker decodes
+        eager and dynamic."""
+        return {"compile": self.compile, "storage": self.storage}
+
+    def to_dict(self) -> dict:
+        """The settings as a dict; ``cache`` only when one is used and the credit / soft fields only for their policy,
+        so other settings read as before those existed (run identities and trajectory ``decode_settings`` written
+        earlier still match); never ``compile`` or ``storage``."""
+        d = dataclasses.asdict(self)
+        if d["cache"] == "none":
+            del d["cache"]
+        for name in REUSE_DEFAULTS:
+            if name not in settings_of(self.policy):
+                del d[name]
+        del d["compile"]  # how the same computation runs, not what it computes (tokens equal eager's)
+        del d["storage"]  # likewise: where the state lives (tokens, NFE and reveal steps equal the dynamic plan's)
+        return d
+
+
+
+# -- compilation -------------------------------------------------------------------------------------------
+# compile= value -> (torch.compile backend, mode). "eager" / "aot_eager" are dynamo's debugging backends: the
+# same fullgraph trace and guards without inductor code generation (cheap; the tests use them).
+COMPILE_CHOICES: dict = {
+    True: ("inductor", None),
+    "default": ("inductor", None),
+    "reduce-overhead": ("inductor", "reduce-overhead"),  # + CUDA graphs (CUDA only)
+    "max-autotune": ("inductor", "max-autotune"),  # + CUDA graphs (CUDA only)
+    "max-autotune-no-cudagraphs": ("inductor", "max-autotune-no-cudagraphs"),
+    "eager": ("eager", None),
+    "aot_eager": ("aot_eager", None),
+}
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+def triton_build_needs() -> str | None:
+    """What triton's runtime lacks to build its launcher stub (a small C file that includes Python.h, compiled on
+    the first kernel of a process; triton/runtime/build.py), or None. Its lookup: ``$CC``, else gcc, else clang on
+    PATH. Without them the first compiled decode would fail deep inside triton, not with one line from tdlm."""
+    import shutil
+    import sysconfig
+
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if not cc or not shutil.which(cc):
+        return "finds none ($CC unset or not found, no gcc or clang on PATH): install gcc or set CC"
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.exists():
+        return (f"this Python's headers are missing ({header}): install the python3-dev (Debian) or python3-devel "
+                f"package of this Python")
+    return None
+
+
+def check_compile(value, device: torch.device | str | None = None) -> tuple[str, str | None] | None:
+    """The (backend, mode) of ``compile=value`` (None: eager), checked against this torch and ``device``.
+
+    Every failure is one TDLMError line naming the setting and what to use instead; decoding never falls
+    back to eager silently."""
+    if isinstance(value, str) and value.strip().lower() in ("false", "off", "no", "none", ""):
+        return None  # the spelling of a command-line flag
+    if isinstance(value, str) and value.strip().lower() in ("true", "on", "yes"):
+        value = True
+    if value is False or value is None:
+        return None
+    key = value if value is True else str(value)
+    if key not in COMPILE_CHOICES:
+        choices = ", ".join(repr(c) for c in (False, *COMPILE_CHOICES))
+        raise TDLMError(f"compile={value!r} unknown; expected one of {choices}")
+    backend, mode = COMPILE_CHOICES[key]
+    if device is None:
+        return backend, mode
+    device = torch.device(device)
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise TDLMError(f"compile={value!r}: torch {torch.__version__} has no {backend!r} backend; use compile=False "
+                        f"or compile='aot_eager'")  # fmt: skip
+    if mode in CUDA_GRAPH_MODES and device.type != "cuda":
+        raise TDLMError(f"compile={value!r} captures CUDA graphs and needs a CUDA device, not {device.type}; use "
+                        f"compile=True (or 'max-autotune-no-cudagraphs') on {device.type}")  # fmt: skip
+    if backend == "inductor":
+        if device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                raise TDLMError(f"compile={value!r}: inductor needs triton for {device}, which this torch lacks; "
+                                f"install triton or use compile=False")  # fmt: skip
+            missing = triton_build_needs()
+            if missing:
+                raise TDLMError(f"compile={value!r}: triton builds its kernel launcher with a C compiler at the first "
+                                f"kernel and {missing}; use compile=False until it is there")  # fmt: skip
+        elif device.type == "cpu":
+            try:
+                from torch._inductor.cpp_builder import get_cpp_compiler
+
+                get_cpp_compiler()
+            except Exception as e:  # noqa: BLE001 - any failure means inductor cannot build CPU kernels here
+                raise TDLMError(f"compile={value!r}: inductor on cpu needs a C++ compiler ({e}); install g++ or use "
+                                f"compile=False") from None  # fmt: skip
+        else:
+            raise TDLMError(f"compile={value!r}: this tdlm compiles with inductor on cpu and cuda only, not "
+                            f"{device.type}; use compile=False")  # fmt: skip
+    return backend, mode
+

@@ -1,0 +1,161 @@
+"""The decode engine's refill (issue 48): ``decode(..., batch_size=k)`` admits the next request into a row as soon as
+one finishes, under both storage plans.
+
+A request's tokens, NFE and reveal steps must not depend on the rows beside it, on when it was admitted or into which
+slot: the engine's results equal a per-request ``decode()`` for every policy, cache mode, storage plan and backbone,
+whatever the arrival order. The comparisons run in float64 (tests/conftest.py: EXACT_DTYPE says why).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tdlm.decoding import decode, loop
+from tdlm.decoding.loop import EngineStats
+from tdlm.decoding.static_plan import static_bytes
+from tdlm.errors import TDLMError
+from tests.conftest import EXACT_DTYPE, live_tdlm, sharp_backbone
+
+BACKBONES = ("tiny-llada", "tiny-dream")
+KW = dict(gen_length=16, block_size=8, threshold=0.9)
+POLICIES = ("original", "threshold", "tdlm", "credit", "soft")
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of 2 to 40 tokens (two prompt buckets), in a seeded random order."""
+    g = random.Random(seed)
+    return [[3, *(g.randrange(10, 120) for _ in range(g.choice([1, 2, 4, 7, 12, 39])))] for _ in range(n)]
+
+
+def _key(r):
+    return r.tokens, r.nfe, r.reveal_step
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return {name: sharp_backbone(name, dtype=EXACT_DTYPE) for name in BACKBONES}
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("name", BACKBONES)
+def test_refill_decodes_what_each_request_decodes_alone(exact, name, cache):
+    """Eight requests over two prompt buckets in batches of 3 (the static plan decodes in bucket 4), in prompt order
+    under the dynamic plan and in a shuffled arrival order under the static one, for every policy (tdlm with ``full``):
+    every request's tokens, NFE and reveal steps equal its own decode; refills happened, and each result reached
+    ``on_result`` once."""
+    bb = exact[name]
+    prompts = _prompts(8, seed=1)
+    order = list(range(8))
+    random.Random(2).shuffle(order)
+    for policy in POLICIES:
+        target = live_tdlm(bb) if policy == "tdlm" else bb
+        alone = [decode(target, [p], policy=policy, cache=cache, **KW)[0] for p in prompts]
+        for storage, arrival in (("dynamic", list(range(8))), ("static", order)):
+            stats, seen = EngineStats(), []
+            out = decode(target, [prompts[i] for i in arrival], policy=policy, cache=cache, storage=storage,
+                         batch_size=3, stats=stats, on_result=lambda i, r: seen.append((i, r)), **KW)  # noqa: B023
+            assert [_key(out[k]) for k in range(8)] == [_key(alone[i]) for i in arrival], (policy, storage)
+            assert sorted(i for i, _ in seen) == list(range(8)) and all(out[i] is r for i, r in seen)
+            assert stats.admissions >= 2, (policy, storage, stats)  # each bucket refilled
+
+
+def test_a_refilled_request_keeps_its_partial_canvas_and_its_states(exact):
+    """``canvas`` (an on-policy roll-out's partial responses) and ``record_states`` follow each request through the
+    refill; seconds are each request's own (from its admission)."""
+    bb = exact["tiny-llada"]
+    prompts = _prompts(5, seed=3)
+    canvas = [[bb.mask_token_id] * 16 for _ in prompts]
+    canvas[1][:5] = [40, 41, 42, 43, 44]
+    canvas[3][8:10] = [50, 51]
+    alone = [decode(bb, [p], canvas=[c], record_states=True, **KW)[0] for p, c in zip(prompts, canvas, strict=True)]
+    for storage in ("dynamic", "static"):
+        out = decode(bb, prompts, canvas=canvas, record_states=True, batch_size=2, storage=storage, **KW)
+        assert [(*_key(r), r.states) for r in out] == [(*_key(r), r.states) for r in alone], storage
+        assert out[1].tokens[:5] == [40, 41, 42, 43, 44] and out[1].reveal_step[:5] == [0] * 5
+        assert all(0 < r.seconds for r in out)
+
+
+def test_the_static_plan_refills_in_place(exact, monkeypatch):
+    """Over 40 requests in batches of 4 the static plan admits into freed slots of one bucket: the canvas a step reads
+    is at one address at every evaluation, nothing more is held after the first decode, and the finished rows' work
+    is what refill removes (occupancy above the chunked loop's)."""
+    bb = sharp_backbone("tiny-llada")  # its own pool
+    prompts = [[3, *(p[1:6])] for p in _prompts(40, seed=4)]  # one prompt bucket
+    seen: set[int] = set()
+    orig = loop._backbone_eval
+
+    def step(backbone, x, *args, **kwargs):
+        seen.add(x.data_ptr())
+        return orig(backbone, x, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "_backbone_eval", step)
+    refill, chunked = EngineStats(), EngineStats()
+    decode(bb, prompts, storage="static", cache="none", batch_size=4, stats=refill, **KW)
+    held = static_bytes(bb)
+    decode(bb, prompts, storage="static", cache="none", batch_size=4, **KW)
+    assert len(seen) == 1 and static_bytes(bb) == held
+    assert refill.admissions == 36
+    for start in range(0, 40, 4):
+        decode(bb, prompts[start : start + 4], storage="static", stats=chunked, **KW)
+    assert refill.useful == chunked.useful  # the same work of the requests themselves
+    assert refill.occupancy > chunked.occupancy and refill.evaluations < chunked.evaluations
+
+
+def test_a_latent_history_waits_for_an_empty_batch(exact):
+    """``latent:M`` folds every evaluation of its batch into latents that start from learned values read for the whole
+    batch: no row joins a running batch, so its refill is chunked, and still equal to per-request decodes."""
+    model = live_tdlm(exact["tiny-llada"], history="latent:2")
+    prompts = _prompts(5, seed=5)
+    stats = EngineStats()
+    out = decode(model, prompts, policy="tdlm", batch_size=2, stats=stats, **KW)
+    alone = [decode(model, [p], policy="tdlm", **KW)[0] for p in prompts]
+    assert [_key(r) for r in out] == [_key(r) for r in alone]
+    # chunks of 2 in each prompt bucket (admission order), each as long as its slowest row
+    buckets: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        buckets.setdefault(-(-len(p) // 32), []).append(i)
+    chunked = [ids[k : k + 2] for b in sorted(buckets) for ids in [buckets[b]] for k in range(0, len(ids), 2)]
+    assert stats.evaluations == sum(max(alone[i].nfe for i in c) for c in chunked)
+
+
+def test_batch_size_is_checked_in_one_line(exact):
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(TDLMError, match=r"^decode: batch_size must be a positive integer or None; got "):
+            decode(exact["tiny-llada"], [[3, 4]], batch_size=bad, **KW)
+    assert torch.equal(torch.tensor(decode(exact["tiny-llada"], [[3, 4]], batch_size=7, **KW)[0].tokens),
+                       torch.tensor(decode(exact["tiny-llada"], [[3, 4]], **KW)[0].tokens))  # fmt: skip
+
+
+class _Clock:
+    """A stand-in for ``time`` in the loop: every ``perf_counter()`` call advances one second."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def perf_counter(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+@pytest.mark.parametrize("storage", ["dynamic", "static"])
+def test_each_requests_seconds_run_from_its_admission_to_its_end(exact, storage, monkeypatch):
+    """With a clock that advances one second per reading (two readings per evaluation), every request's seconds are
+    twice its NFE, also for the requests admitted into freed rows: its own evaluations, not the batch's."""
+    monkeypatch.setattr(loop, "time", _Clock())
+    out = decode(exact["tiny-llada"], _prompts(7, seed=6), storage=storage, batch_size=3, **KW)
+    assert len({r.nfe for r in out}) > 1  # requests of different lengths
+    assert [r.seconds for r in out] == [2.0 * r.nfe for r in out]
+
+
+@pytest.mark.parametrize("storage", ["dynamic", "static"])
+def test_credit_starts_from_zero_for_a_request_admitted_into_the_block_its_slot_ended_in(exact, storage):
+    """One block per response (gen_length = block_size), so a request admitted into a freed row starts in the block the
+    row's last request ended in: its credit must still start from zero."""
+    kw = dict(KW, gen_length=8, block_size=8, policy="credit")
+    prompts = _prompts(6, seed=7)
+    alone = [decode(exact["tiny-dream"], [p], **kw)[0] for p in prompts]
+    out = decode(exact["tiny-dream"], prompts, storage=storage, batch_size=2, **kw)
+    assert [_key(r) for r in out] == [_key(r) for r in alone]
