@@ -229,7 +229,7 @@ class EngineStats:
 class _Row:
     """Host mirror of one batch row: its request (-1: a padding row of the static plan), slot, active block, the
     block its spatial KV cache holds (-1: none), masked count, block and masked count at its history's last
-    compaction (:func:`window_front`), admission time, and whether it is done."""
+    compaction (:func:`window_front`), admission time, evaluations since admission, and whether it is done."""
 
     req: int
     slot: int
@@ -239,6 +239,7 @@ class _Row:
     comp_blk: int = 0
     comp_in: int = 0
     start: float = 0.0
+    evals: int = 0
     done: bool = False
 
 
@@ -508,6 +509,9 @@ class _Run:
             # each row's evaluations before this one (a copy: the static plan's view is the NFE it counts on)
             evals = plan.view(plan.nfe).clone() if reuse is not None else None
             if cache is not None:
+                # The history's entries per position are at most the oldest live row's evaluations: with refill that is
+                # what its slot buckets must hold (TemporalCache.reserve), not the evaluations since the batch began.
+                cache.steps = max(r.evals for r in rows if not r.done)
                 if cfg.cache == "dual":
                     front = window_front(blk_host, [r.comp_blk for r in rows], [r.comp_in for r in rows], bs, extra,
                                          G)  # fmt: skip
@@ -569,6 +573,8 @@ class _Run:
             self.stats.rows += b
             self.stats.slots += S
             self.stats.useful += sum(not r.done for r in rows)
+            for r in rows:
+                r.evals += not r.done
             if bar is not None:
                 bar.update(sum(r.left for r in rows) - sum(left_l))
             if pending is not None:  # the rows that finished at the previous evaluation, read with this one's sync
