@@ -6,30 +6,31 @@ Commands (from the repository root, venv active)::
     python bench/engine.py --quick --adapter ...                              # small sizes; prints only
     python bench/engine.py --parts addresses --adapter ...                    # rerun one part, keep the others
 
-**Invariance.** ``--invariance-prompts`` (128; the issue asks 512, which takes about an hour on this CPU) prompts: the tiny-multi test prompts' token ids (tiny-multi's own
-tokenizer and chat template), mapped into the tiny backbones' vocabulary (id mod (V - 4) + 4: no special id), in a
-seeded random arrival order, through ``decode(..., batch_size=16)`` (refill) for policies original, threshold, tdlm
-(a seeded random adapter, history ``full``), credit and soft x cache none, prefix, dual x storage dynamic, static x
-tiny LLaDA and tiny Dream (both with a sharpened head, as the tests'), 32 tokens in blocks of 8, tau 0.9: every
-request's tokens, NFE and reveal steps against its own ``decode()``. In float64, so that last-bit differences of
-two batch shapes cannot decide a near-tie (tests/conftest.py says why).
+**Invariance.** ``--invariance-prompts`` (128; the issue asks 512, which takes about an hour on this CPU) prompts: the
+tiny-multi test prompts' token ids (tiny-multi's own tokenizer and chat template), mapped into the tiny backbones'
+vocabulary (id mod (V - 4) + 4: no special id), in a seeded random arrival order, through ``decode(..., batch_size=16)``
+(refill) for policies original, threshold, tdlm (a seeded random adapter, history ``full``), credit and soft x cache
+none, prefix, dual x storage dynamic, static x tiny LLaDA and tiny Dream (both with a sharpened head, as the tests'), 32
+tokens in blocks of 8, tau 0.9: every request's tokens, NFE and reveal steps against its own ``decode()``. In float64,
+so that last-bit differences of two batch shapes cannot decide a near-tie (tests/conftest.py says why).
 
-**Occupancy and throughput** on the demo's evaluation: tiny-multi (fp32) with ``--adapter`` (the demo recipe's
-adapter), the first ``--requests`` (150: three waves of 50) multi test problems, 56 tokens in one block, batch ``--batch`` (50, the demo's),
-threshold at tau 0.9 and tdlm at tau 0.95, eager (about 0.2 s per evaluation of 50 rows on this CPU). ``chunked``: decode() of consecutive chunks of ``--batch``
-problems, each as long as its slowest row (the generation and evaluation workers' loop before the engine);
-``refill``: one ``decode(..., batch_size=--batch)``. Both storage plans. Interleaved rounds (:mod:`timing`), process
-CPU seconds, one torch thread; requests/s from the minimum over ``--rounds`` (1 by default). Occupancy: useful row-evaluations / the
-batch's slots over all evaluations (:class:`tdlm.decoding.loop.EngineStats`).
+**Occupancy and throughput** on the demo's evaluation: tiny-multi (fp32) with ``--adapter`` (the demo recipe's adapter),
+the first ``--requests`` (150: three waves of 50) multi test problems, 56 tokens in one block, batch ``--batch`` (50,
+the demo's), threshold at tau 0.9 and tdlm at tau 0.95, eager (about 0.2 s per evaluation of 50 rows on this CPU).
+``chunked``: decode() of consecutive chunks of ``--batch`` problems, each as long as its slowest row (the generation and
+evaluation workers' loop before the engine); ``refill``: one ``decode(..., batch_size=--batch)``. Both storage plans.
+Interleaved rounds (:mod:`timing`), process CPU seconds, one torch thread; requests/s from the minimum over ``--rounds``
+(1 by default). Occupancy: useful row-evaluations / the batch's slots over all evaluations
+(:class:`tdlm.decoding.loop.EngineStats`).
 
 **Addresses and graphs.** ``--admissions`` (256) requests through the static plan at batch 8 with the dual cache and
-policy tdlm: the data pointer of every tensor each step receives (canvas, mask, positions, temporal history, KV
-cache), recorded at every evaluation, must take one value per argument; then under ``compile="aot_eager"`` (dynamo's
-trace and guards, no code generation) the count of compiled graphs after the first 16 requests against after all.
+policy tdlm: the data pointer of every state tensor a step receives (temporal history, KV cache, unsplit canvas rows),
+recorded at every evaluation, must take one value per argument; then under ``compile="aot_eager"`` (dynamo's trace and
+guards, no code generation) the count of compiled graphs after the first 16 requests against after all.
 
 Targets (``targets`` in the JSON, each with its value, bound and verdict): invariance mismatches 0; occupancy >= 0.9
-(refill, dynamic plan) per policy; refill / chunked requests/s >= 1.25 (dynamic) per policy; dynamic / static
-requests/s with refill <= 1.10 per policy; one address per step argument and no graph compiled after warm-up.
+(refill, dynamic plan) per policy; refill / chunked requests/s >= 1.25 (dynamic) per policy; dynamic / static requests/s
+with refill <= 1.10 per policy; one address per step argument and no graph compiled after warm-up.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class DecodeResult:
     tokens: list[int]  # the gen_length response tokens y_p
     text: str  # decoded response, cut at the first stop token
     nfe: int  # denoiser evaluations of this request
-    seconds: float  # wall seconds from the batch start to this request's end (device-synchronized)
+    seconds: float  # wall seconds from the request's admission to its end (device-synchronized)
     reveal_step: list[int]  # a_p in 1..T: the evaluation after which y_p was committed
     T: int  # trajectory length in evaluations (== nfe)
     prompt_ids: list[int] = field(default_factory=list)
