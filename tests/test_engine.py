@@ -140,12 +140,15 @@ class _Clock:
         return self.t
 
 
+@pytest.mark.parametrize("batch_size", [3, None])
 @pytest.mark.parametrize("storage", ["dynamic", "static"])
-def test_each_requests_seconds_run_from_its_admission_to_its_end(exact, storage, monkeypatch):
+def test_each_requests_seconds_run_from_its_admission_to_its_end(exact, storage, batch_size, monkeypatch):
     """With a clock that advances one second per reading (two readings per evaluation), every request's seconds are
-    twice its NFE, also for the requests admitted into freed rows: its own evaluations, not the batch's."""
+    twice its NFE, also for the requests admitted into freed rows: its own evaluations, not the batch's. In one batch
+    (no refill) too, where the static plan keeps a finished row in place to the batch's end: its seconds still stop
+    at its own last evaluation."""
     monkeypatch.setattr(loop, "time", _Clock())
-    out = decode(exact["tiny-llada"], _prompts(7, seed=6), storage=storage, batch_size=3, **KW)
+    out = decode(exact["tiny-llada"], _prompts(7, seed=6), storage=storage, batch_size=batch_size, **KW)
     assert len({r.nfe for r in out}) > 1  # requests of different lengths
     assert [r.seconds for r in out] == [2.0 * r.nfe for r in out]
 

@@ -143,6 +143,67 @@ def test_a_rank_that_cannot_see_its_gpu_is_one_line():
         rank_device(OneVisible(), 3)
 
 
+class _FakeCuda:
+    """A DeepSpeed accelerator that says CUDA/NCCL with ``count`` devices; records set_device calls in ``log``."""
+
+    def __init__(self, count: int, log: list | None = None):
+        self.count, self.log = count, log if log is not None else []
+
+    def device_name(self, index=None):
+        return "cuda"
+
+    def device_count(self):
+        return self.count
+
+    def communication_backend_name(self):
+        return "nccl"
+
+    def set_device(self, index):
+        self.log.append(("set_device", index))
+
+
+@pytest.mark.parametrize("local_rank", [2, 3, -1])
+def test_local_rank_at_or_past_the_device_count_or_negative_is_one_line(monkeypatch, local_rank):
+    """Two visible GPUs are cuda:0 and cuda:1: LOCAL_RANK=2 (the count itself, one past the last index) is refused
+    as LOCAL_RANK=3 is, and so is a negative rank (torch.device would take -1 as "the current device")."""
+    from tdlm.training.distributed import rank_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert rank_device(_FakeCuda(2), 1) == torch.device("cuda", 1)  # the last visible index still binds
+    with pytest.raises(TDLMError) as e:
+        rank_device(_FakeCuda(2), local_rank)
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith(f"LOCAL_RANK={local_rank} but this process sees 2 cuda device(s) "
+                                   f"(CUDA_VISIBLE_DEVICES=0,1); ")
+
+
+def test_nccl_error_handling_is_in_the_environment_before_the_group_is_built(monkeypatch):
+    """ProcessGroupNCCL reads TORCH_NCCL_ASYNC_ERROR_HANDLING when it is built, inside deepspeed.init_distributed:
+    set afterwards, the watchdog's SIGABRT stays (module docstring of tdlm.training.distributed). A stub deepspeed
+    records the environment it is called with; the rank is bound (set_device) before it too."""
+    import types
+
+    import torch.distributed as dist
+
+    from tdlm.training.distributed import NCCL_ERROR_ENV, start_process_group
+
+    log: list = []
+
+    def init_distributed(**kw):
+        log.append(("init_distributed", kw["dist_backend"], {k: os.environ.get(k) for k in NCCL_ERROR_ENV}))
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(init_distributed=init_distributed))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for key in NCCL_ERROR_ENV:  # setenv first: monkeypatch then removes what start_process_group sets, at teardown
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
+    assert start_process_group(_FakeCuda(2, log), 60.0) == (1, 2, torch.device("cuda", 1))
+    assert log == [("set_device", 1), ("init_distributed", "nccl", NCCL_ERROR_ENV)]
+    assert NCCL_ERROR_ENV == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 # -- DeepSpeed's ops at a GPU launch ----------------------------------------------------------------------------
 def test_a_gpu_launch_uses_torch_adamw_and_builds_no_op_unless_asked():
     from tdlm.training.config import RunConfig
@@ -157,6 +218,21 @@ def test_a_gpu_launch_uses_torch_adamw_and_builds_no_op_unless_asked():
     assert jit_ops_needed(resolve_ds_config(asked, run, 8, on_gpu=True), on_gpu=True) == ["fused_adam"]
     offload = resolve_ds_config(load_ds_json(REPO / "ds_configs" / "zero3_offload.json"), run, 8, on_gpu=True)
     assert jit_ops_needed(offload, on_gpu=True) == ["cpu_adam"]  # DeepSpeedCPUAdam stays the offload optimizer
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_an_offloaded_optimizer_keeps_deepspeed_cpu_adam_on_either_offload_device(tmp_path, device):
+    """ZeRO offloads the optimizer to the CPU or, through the CPU, to NVMe: both step with DeepSpeedCPUAdam, so
+    neither gets torch_adam (which would replace it) and both announce the cpu_adam build, never fused_adam."""
+    from tdlm.training.config import RunConfig
+    from tdlm.training.ds_config import jit_ops_needed, load_ds_json, resolve_ds_config
+
+    raw = load_ds_json(REPO / "ds_configs" / "zero3_offload.json")
+    raw["zero_optimization"]["offload_optimizer"] = {"device": device, "pin_memory": True,
+                                                     **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    cfg = resolve_ds_config(raw, RunConfig(), 8, on_gpu=True)
+    assert "torch_adam" not in cfg["optimizer"]["params"]
+    assert jit_ops_needed(cfg, on_gpu=True) == ["cpu_adam"]
 
 
 # -- NCCL errors ------------------------------------------------------------------------------------------------

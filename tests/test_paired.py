@@ -23,6 +23,7 @@ from tdlm.evaluation.paired import (
     compare,
     mcnemar_exact,
     pair,
+    paired_against,
     settings,
     wandb_metrics,
 )
@@ -286,26 +287,72 @@ def test_other_data_is_not_paired(tmp_path):
     assert "other data: hub:openai/gsm8k/main/train" in paired_table(runs)
 
 
+def test_the_default_reference_follows_reference_tau(tmp_path, capsys):
+    """Without --reference the paired rows are against the threshold run at --reference-tau, in the evaluator's
+    config and in eval/compare.py alike; --reference still wins. 0.8 is one step off the default 0.9, which is also
+    a run of the folders: a default that ignored --reference-tau would pair against it."""
+    from tdlm.evaluation.config import parse_args
+    from tdlm.sweep.cli import compare_main
+
+    base = ["--backbone", "tiny-arith", "--output-dir", str(tmp_path / "eval")]
+    assert parse_args(base).reference_run() == "threshold-tau0.9"
+    assert parse_args([*base, "--reference-tau", "0.8"]).reference_run() == "threshold-tau0.8"
+    assert parse_args([*base, "--reference-tau", "0.8", "--reference", "original"]).reference_run() == "original"
+
+    a, b = _fake_pair_of_dirs(tmp_path)
+    recs = [json.loads(x) for x in (a / "runs/gsm8k/threshold-tau0.9/samples.jsonl").read_text().splitlines()]
+    _write_run(a, "threshold-tau0.8", "threshold", [{**r, "nfe": r["nfe"] * 1.5} for r in recs], tau=0.8)
+    assert compare_main([str(a), str(b), "--reference-tau", "0.8"]) == 0
+    table = capsys.readouterr().out
+    assert "Against `threshold-tau0.8`" in table and "Against `threshold-tau0.9`" not in table
+    assert "| bb | GSM8K | Fast-dLLM τ=0.8 | 120 | reference | – | – | – |" in table
+    row = next(line for line in table.splitlines() if "| Fast-dLLM τ=0.9 | 120 |" in line)
+    assert "| 1.50× [1.50, 1.50] |" in row  # τ 0.8's NFE is 1.5 x τ 0.9's on every problem
+
+
+def test_two_reference_runs_in_one_group_are_refused_in_one_line(tmp_path):
+    """Two folders that both hold threshold-tau0.9 of the same backbone, task, budget and block size: neither is
+    taken silently. Every row of that group says so in one line naming the group, the name and both folders, and
+    carries no numbers; a group with one reference (here another block size) is still compared."""
+    x, y = _fake_pair_of_dirs(tmp_path / "x"), _fake_pair_of_dirs(tmp_path / "y")
+    for f in y[1].rglob("summary.json"):  # y's tdlm runs: another block size, compared with nothing there
+        f.write_text(json.dumps({**json.loads(f.read_text()), "block_size": 64}))
+    runs = load_runs([*x, y[0]])
+    paired = {r["run_dir"]: p for r, p in zip(runs, paired_against(runs), strict=True)}
+    dirs = sorted(str(d / "runs/gsm8k/threshold-tau0.9") for d in (x[0], y[0]))
+    why = f"2 runs named threshold-tau0.9 for gsm8k, bb, N=256, block 32 ({dirs[0]}, {dirs[1]}); pass one folder"
+    assert len(paired) == 6 and all(p == {"reference": "threshold-tau0.9", "skipped": why} for p in paired.values())
+    assert "\n" not in why
+    table = paired_table(runs)
+    assert f"- (1) {why}" in table and "×" not in table
+    runs = load_runs([y[0], y[1], x[1]])  # one reference in block 32 (y's baselines) and none in block 64
+    block32 = {r["name"]: p for r, p in zip(runs, paired_against(runs), strict=True) if r["block_size"] == 32}
+    assert block32["threshold-tau0.9"] == {"reference": "threshold-tau0.9", "is_reference": True}
+    assert block32["tdlm-d16-tau0.9-full"]["n"] == 120
+
+
 def test_the_evaluator_records_paired_comparisons_and_refuses_an_unknown_reference(tmp_path, capsys):
     """eval/run.py end to end on tiny-arith: every run's summary carries its paired comparison against the reference
     (the reference itself marked), the job summary records seed and resamples, table.md shows the paired section;
-    a --reference that names no run of the grid is one line before anything is decoded."""
+    a --reference that names no run of the grid is one line before anything is decoded. The grid's threshold run is
+    at τ 0.8 with --reference-tau 0.8: the default reference follows it (threshold-tau0.9 is not a run here)."""
     from tdlm.evaluation.cli import main
 
     out = tmp_path / "eval"
     args = ["--backbone", "tiny-arith", "--tasks", "arith", "--limit", "6", "--workers", "1", "--threads", "1",
             "--warmup", "0", "--score-workers", "1", "--policies", "original", "threshold", "--gen-length", "8",
-            "--block-size", "8", "--dtype", "float32", "--output-dir", str(out), "--wandb-mode", "disabled"]
-    assert main([*args, "--reference", "threshold-tau0.8"]) == 2
+            "--block-size", "8", "--dtype", "float32", "--output-dir", str(out), "--wandb-mode", "disabled",
+            "--thresholds", "0.8", "--reference-tau", "0.8"]
+    assert main([*args, "--reference", "threshold-tau0.9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: reference='threshold-tau0.8' is not a run of this evaluation")
+    assert len(err) == 1 and err[0].startswith("error: reference='threshold-tau0.9' is not a run of this evaluation")
     assert not (out / "runs").exists()
     assert main(args) == 0
     job = json.loads((out / "summary.json").read_text())
-    assert job["paired"]["reference"] == "threshold-tau0.9"
+    assert job["paired"]["reference"] == "threshold-tau0.8"
     assert (job["paired"]["seed"], job["paired"]["resamples"]) == (SEED, RESAMPLES)
     by_name = {r["name"]: r for r in job["runs"]}
-    assert by_name["threshold-tau0.9"]["paired"]["is_reference"]
+    assert by_name["threshold-tau0.8"]["paired"]["is_reference"]
     orig = by_name["original"]["paired"]
     assert orig["n"] == 6 and orig["seed"] == SEED and len(orig["accuracy_diff_ci"]) == 2
     run_summary = json.loads((Path(by_name["original"]["run_dir"]) / "summary.json").read_text())

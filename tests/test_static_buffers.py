@@ -284,3 +284,91 @@ def test_a_finished_or_padding_row_is_never_refreshed_again(backbones, cache, mo
         done = {3} | {r for r in range(3) if nfe[r] <= i}
         assert not rows & done, (i, rows, done)
     assert any(refreshed[1:]), "no later refresh at all: the test shows nothing"
+
+
+# Per evaluation, built from the host's view of the rows and never written by a step: each group's positions
+# (``select`` / the backbone step's third argument), its row indices, a window's starts and first recomputed
+# positions. Under CUDA-graph trees such an input is copied into the graph's own buffer at each replay (a few
+# integers per row); everything else a step reads is held state and must be marked static and stay put.
+PER_EVALUATION = ("select", "args[2]", "rows", "start", "fresh_from")
+
+
+def _marked(t: torch.Tensor) -> bool:
+    """Carries torch's static-address mark, or is a view of a tensor that does (the temporal history's ``front``:
+    its first columns, from column 0, so at the marked tensor's address)."""
+    return any(hasattr(x, "_dynamo_static_input_type") for x in (t, t._base) if x is not None)
+
+
+def _record_arguments(monkeypatch) -> list[dict[str, tuple[int, bool, bool]]]:
+    """Per call of a compiled step: every tensor argument (what the step reads as well as what it writes), named by
+    where the step reached it, as (address, marked static (:func:`_marked`), the call changed it)."""
+    calls: list[dict[str, tuple[int, bool, bool]]] = []
+    real = loop.compiled_steps
+
+    def wrap(fn):
+        def run(*args):
+            reach: dict[str, torch.Tensor] = {}
+            _tensors(list(args[1:]), "args", reach, set())
+            before = {name: t.clone() for name, t in reach.items()}
+            out = fn(*args)
+            calls.append({_name(name): (t.data_ptr(), _marked(t), not torch.equal(before[name], t))
+                          for name, t in reach.items()})  # fmt: skip
+            return out
+
+        return run
+
+    def steps(backend, mode):
+        backbone_step, tdlm_step = real(backend, mode)
+        return wrap(backbone_step), wrap(tdlm_step)
+
+    monkeypatch.setattr(loop, "compiled_steps", steps)
+    return calls
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+def test_every_tensor_a_compiled_step_reads_is_marked_static_at_one_address_or_built_for_its_evaluation(
+        backbones, cache, monkeypatch):  # fmt: skip
+    """Two decodes of bucket 4 with different prompts (tdlm ``last:2`` and threshold, dynamo's ``eager`` backend):
+    every tensor argument of every compiled step, read or written, either carries the static-address mark and has one
+    address through both decodes, or is one of the per-evaluation index tensors (:data:`PER_EVALUATION`); the canvas
+    goes in unmarked only as the gathered rows of a split evaluation. Every tensor a step writes is marked (an unmarked
+    one makes CUDA-graph trees skip the graph). The held canvas ends holding the tokens the decode returned, so the
+    steps read the canvas the plan writes, not a copy. (The test above follows only what a step writes.)"""
+    from tdlm.decoding.static_plan import static_canvas
+
+    bb = backbones["tiny-llada"]
+    model = live_tdlm(bb, history="last:2")
+    torch._dynamo.reset()
+    try:
+        for policy, target in (("tdlm", model), ("threshold", bb)):
+            calls = _record_arguments(monkeypatch)
+            kw = dict(KW, policy=policy, cache=cache, compile="eager")
+            canvas = []
+            for prompts in (PROMPTS_A, PROMPTS_B):
+                res = decode(target, prompts, storage="static", **kw)
+                held = static_canvas(bb, batch_bucket(len(prompts)), prompt_bucket(max(map(len, prompts)))
+                                     + KW["gen_length"], KW["gen_length"], cache)  # fmt: skip
+                canvas.append(held.ids.data_ptr())
+                assert [held.ids[i, -KW["gen_length"]:].tolist() for i in range(len(prompts))] == \
+                    [r.tokens for r in res], policy  # fmt: skip
+            addresses: dict[str, set[int]] = {}
+            unmarked: set[str] = set()
+            for call in calls:
+                split = any(n.endswith("rows") for n in call)  # the evaluation gathers some rows of the batch
+                for name, (ptr, marked, written) in call.items():
+                    assert marked or not written, f"{policy}: a step wrote {name}, which is not marked static"
+                    if marked:
+                        addresses.setdefault(name, set()).add(ptr)
+                    elif not name.endswith(PER_EVALUATION):
+                        assert split and name.endswith(("input_ids", "attention_mask", "args[0]", "args[1]")), \
+                            f"{policy}: {name} goes into a compiled step unmarked"  # fmt: skip
+                        unmarked.add(name)
+                    if name in ("input_ids", "args[0]") and marked:
+                        assert ptr == canvas[-1] or ptr in canvas, f"{policy}: {name} is not the held canvas"
+            moved = {n: len(p) for n, p in addresses.items() if len(p) != 1}
+            assert not moved, f"{policy}: marked tensors a compiled step read at several addresses: {moved}"
+            assert any(n in addresses for n in ("input_ids", "args[0]")), "the canvas never went in whole"
+            if cache != "none":  # the KV cache of every layer is read through the steps
+                assert sum("keys" in n for n in addresses) == bb.num_layers, sorted(addresses)
+    finally:
+        torch._dynamo.reset()

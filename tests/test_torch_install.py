@@ -95,6 +95,9 @@ def test_failing_nvidia_smi_is_the_cpu_path(tmp_path):
     ("575.57.08", "cu126"),   # CUDA 12.9's driver: below CUDA 13's floor (580)
     ("535.104.05", "cu126"),  # a CUDA 12.2 driver: CUDA 12.6 under minor-version compatibility
     ("525.60.13", "cu126"),   # exactly CUDA 12's floor
+    # fields wider than the floor's: 105 > 60 and 147 > 60 as numbers, though "1" < "6" as text
+    ("525.105.17", "cu126"),
+    ("525.147.05", "cu126"),
 ])
 def test_x86_64_gets_the_newest_cuda_build_its_driver_runs(tmp_path, driver, tag):
     line, cmd = chosen(run(tmp_path, smi=_driver(driver)))
@@ -116,7 +119,12 @@ def test_aarch64_gets_a_cuda_build_never_the_default_index(tmp_path, driver, tag
     assert f"torch==2.13.0+{tag}" in cmd and "aarch64" in line
 
 
-@pytest.mark.parametrize("driver", ["525.60.12", "470.256.02"])
+@pytest.mark.parametrize("driver", [
+    "525.60.12",
+    "470.256.02",
+    "525.9.99",   # 9 < 60 as numbers, though "9" > "6" as text
+    "525.60.09",  # a zero-padded field is decimal nine, not an invalid octal number for bash's arithmetic
+])
 def test_a_driver_too_old_for_every_cuda_build_fails_in_one_line(tmp_path, driver):
     line = one_error_line(run(tmp_path, smi=_driver(driver)))
     assert driver in line

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tdlm.errors import TDLMError
 from tdlm.evaluation.config import RUN_ORDER as POLICY_ORDER  # the paper's row order
-from tdlm.evaluation.paired import CONFIDENCE, DEFAULT_REFERENCE, RESAMPLES, SEED, paired_against
+from tdlm.evaluation.paired import CONFIDENCE, DEFAULT_REFERENCE, RESAMPLES, SEED, paired_against, run_name
 from tdlm.tasks import TASK_NAMES
 
 REUSE_LABELS = {"credit": "dInfer credit", "soft": "dInfer soft iteration"}  # tdlm/decoding/reuse.py
@@ -267,7 +267,9 @@ def paired_table(runs: Sequence[dict], reference: str = DEFAULT_REFERENCE,
             body.append([*head, str(r["n"]), f"– ({k})", "–", "–", "–"])
         else:
             body.append([*head, str(p["n"]), *paired_cells(p)])
-    if not refs:
+    # A group with two runs of the reference's name has no reference row but is no absent reference: its rows and
+    # the footnote naming both folders are the refusal, and "not found" would hide the duplicate.
+    if not refs and not any(run_name(r) == reference for r in runs):
         return f"No reference run `{reference}` found: no paired comparison (choose one with `--reference NAME`)."
     lead = (f"Against `{reference}` of the same backbone, task, budget and block size, on the same problems "
             f"(paired by sample id). Δacc = run − reference accuracy in points; b / c = problems only the run / "

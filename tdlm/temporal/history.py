@@ -343,7 +343,16 @@ class TemporalCache:
             self.front = None
             return
         self.front_aligned = aligned
-        self.front = self.cols[:, : max(1, min(columns, self.width))]
+        width = max(1, min(columns, self.width))
+        if self.static:
+            # A compiled step's inputs must be held tensors under CUDA-graph trees, which copy any unmarked input at
+            # every replay: the columns themselves when the front is all of them (the static prefix plan's front),
+            # else a view at their address, marked.
+            self.front = self.cols if width == self.width else self.cols[:, :width]
+            if width != self.width:
+                torch._dynamo.mark_static_address(self.front)
+            return
+        self.front = self.cols[:, :width]
         torch._dynamo.maybe_mark_dynamic(self.front, 1)
 
     def held(self, positions: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
