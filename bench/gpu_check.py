@@ -41,8 +41,11 @@ the least telling.
 the child that :func:`run_stage` starts as ``python bench/gpu_check_stages.py STAGE --items JSON --json PATH``.
 
 **Measured beside predicted** (``bench/gpu_check_compare.py``, ``<out>/predicted_vs_measured.json`` and the printed
-table): the GPU's name picks the prediction rows (:func:`gpu_kind`, :func:`select_predictions`): an H200 is held
-to the H200 rows of ``bench/results/true_shape.json``, a GH200 to the GH200 rows only, any other GPU to nothing.
+table): the GPU's name picks the prediction rows (``gpu_check_common.gpu_kind``, ``select_predictions``): an H200 is
+held to the H200 rows of ``bench/results/true_shape.json``, a GH200 to the GH200 rows only, any other GPU to nothing.
+What the parent, the stage child and the comparison share (the stage JSONs' reader and writer, the stage order, the
+prediction rows) is in ``bench/gpu_check_common.py``, a leaf: neither this module nor the comparison imports the
+other back.
 
 **Test hooks** (the test suite plants faults with them; never set on a real run): ``TDLM_GPU_CHECK_HOOKS`` is a
 ``;``-separated list of ``sleep:STAGE:SETTING=SECONDS`` (a setting that hangs; ``SETTING@tdlm``: its tdlm policy,
@@ -72,42 +75,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-if __name__ == "__main__":  # gpu_check_compare imports this file as gpu_check: the same module, not a second copy
-    sys.modules.setdefault("gpu_check", sys.modules[__name__])
+from gpu_check_common import STAGE_ORDER, read_json, write_json
+from gpu_check_compare import beside_predicted
 
-ROOT = Path(__file__).resolve().parents[1]
-PREDICTION = ROOT / "bench" / "results" / "true_shape.json"
-STAGE_ORDER = ("train", "deepspeed", "nfe")
 DEADLINE_S = {"full": 420.0, "quick": 240.0, "dry": 900.0}
 STAGE_CAP_S = {"full": {"train": 75.0, "deepspeed": 90.0}, "quick": {"train": 40.0, "deepspeed": 60.0}, "dry": {}}
 RESERVE_S = 10.0  # kept after the last stage: reaping a killed child and predicted_vs_measured.json
 MIN_STAGE_S = 5.0  # a stage with less than this left is not started (a child needs seconds to import torch)
 HOOKS_ENV = "TDLM_GPU_CHECK_HOOKS"
+T0_ENV = "GPU_CHECK_T0"  # gpu_check.sh's start (date +%s.%N), exported before its wheel install
 CHILD = Path(__file__).resolve().with_name("gpu_check_stages.py")  # one stage in one process (its docstring)
-# What host_us_per_launch means: the launch profile writes it into its rows, the comparison prints it as the source.
-HOST_US_PER_LAUNCH_IS = (
-    "host wall inside the compiled regions / the kernels launched there: the host's issue interval per kernel, "
-    "which bench/true_shape.py's launch term means (step_ms adds kernels x launch_us; overlapped_ms issues one "
-    "kernel every launch_us). The launch API call alone (launch_api_us_mean) leaves out what the host also spends "
-    "between two launches (inductor's Python wrapper, argument packing); the profiler's per-launch callbacks add to "
-    "both, so both are upper bounds of the unprofiled cost")
-
-
-# -- the stage JSONs: the parent, the child and the comparison read and write them ----------------------------
-def write_json(path: Path, obj: dict) -> None:
-    """Atomic: a reader (or a kill) sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 # -- what runs, in which order ---------------------------------------------------------------------------
@@ -169,62 +149,24 @@ def stage_items(stage: str, dry_run: bool, quick: bool) -> list[str]:
     return [s["name"] for s in nfe_settings(dry_run, quick)]
 
 
+def run_start(environ: Mapping[str, str] | None = None) -> float:
+    """When the run began, the origin of ``--deadline-s``: ``$GPU_CHECK_T0``, which gpu_check.sh exports first, so
+    the budget covers the wheel install and this interpreter's start (seconds the device tool counts too); the
+    current time only when run without the wrapper."""
+    value = (os.environ if environ is None else environ).get(T0_ENV)
+    if not value:
+        return time.time()
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"error: ${T0_ENV}={value!r} is not a Unix time (gpu_check.sh sets it)") from None
+
+
 def stage_deadline(now: float, t0: float, deadline_s: float, cap_s: float | None) -> float:
     """Absolute time at which a stage starting ``now`` is stopped: its cap, and never past the overall deadline
     less the reserve the end of the run needs."""
     end = t0 + deadline_s - RESERVE_S
     return min(end, now + cap_s) if cap_s else end
-
-
-# -- GPU identity: which prediction rows apply ----------------------------------------------------------------
-def gpu_kind(name: str | None) -> str | None:
-    """"h200" or "gh200" (the rows of bench/true_shape.py's GPUS), or None: a GPU the predictions do not model.
-    A GH200's name contains "H200" too, so it is tested first; an H200 NVL runs at a lower power limit than the
-    SXM part the H200 rows assume (989 TFLOP/s, 4.8 TB/s)."""
-    n = (name or "").upper()
-    if "GH200" in n:
-        return "gh200"
-    if "H200" in n and "NVL" not in n:
-        return "h200"
-    return None
-
-
-def _for_gpu(value, kind: str):
-    """A prediction value kept per GPU ({"h200": ..., "gh200": ...}) -> this GPU's; any other value as it is."""
-    if isinstance(value, dict) and ({"h200", "gh200"} & set(value)):
-        return value.get(kind)
-    return value
-
-
-def select_predictions(pred: dict, kind: str | None) -> dict:
-    """The prediction rows that hold for a GPU of ``kind`` (None: none do), from true_shape.json:
-
-    * ``gpu_check``: ms per NFE of the nfe stage's settings, keyed (model, batch, cache); a row's GPU is its own
-      ``gpu`` field, else its section's (today the section is "h200");
-    * ``per_nfe``: ``nfe.<model>.per_nfe_ms`` (prompt 256 + 256, batch 1), keyed (model, label, cache) -> the
-      {graphs, launch, overlap, eager} of this GPU;
-    * ``decode_memory``, ``kernels``, ``launch_us``: device-independent counts and the stated launch cost, given
-      only for a known GPU (an unknown one is compared with nothing)."""
-    out: dict = {"kind": kind, "gpu_check": {}, "per_nfe": {}, "decode_memory": {}, "kernels": {}, "launch_us": None,
-                 "launch_us_at_target": {}}  # fmt: skip
-    if kind is None:
-        return out
-    sec = pred.get("gpu_check") or {}
-    for r in sec.get("rows", []):
-        if r.get("gpu", sec.get("gpu")) == kind:
-            out["gpu_check"][(r["model"], r["batch"], r["cache"])] = r
-    for model, n in (pred.get("nfe") or {}).items():
-        for key, v in (n.get("per_nfe_ms") or {}).items():
-            label, cache = key.split("|")
-            if _for_gpu(v, kind) is not None:
-                out["per_nfe"][(model, label, cache)] = _for_gpu(v, kind)
-        out["kernels"][model] = n.get("compiled_kernels") or {}
-        out["launch_us_at_target"][model] = n.get("launch_us_at_target") or {}
-    for model, m in (pred.get("decode_memory") or {}).items():
-        for r in m.get("rows", []):
-            out["decode_memory"][(model, r["policy"], r.get("history"), r["cache"], r["batch"])] = r
-    out["launch_us"] = pred.get("launch_us")
-    return out
 
 
 # -- test hooks ----------------------------------------------------------------------------------------------
@@ -352,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop one setting after this long and go on with the next in a new child (0: off)")
     ap.add_argument("--nfe-settings", default="", help="comma list of nfe setting names to run (default: all)")
     args = ap.parse_args(argv)
-    t0 = float(os.environ.get("GPU_CHECK_T0") or time.time())
+    t0 = run_start()
     mode = "dry" if args.dry_run else ("quick" if args.quick else "full")
     deadline_s = args.deadline_s or DEADLINE_S[mode]
     caps = STAGE_CAP_S[mode] | _parse_caps(args.stage_deadline_s)
@@ -402,8 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:
         print(f"[gpu_check] interrupted ({e}): the finished settings are in {out}", file=sys.stderr, flush=True)
     failed = sum(d.get("status") == "failed" for d in results.values())
-    from gpu_check_compare import beside_predicted  # here, not above: it imports this module
-
     try:
         beside_predicted(out, args.dry_run)
     except Exception as e:  # a comparison that cannot be made must not hide the stages' results

@@ -2,7 +2,7 @@
 
 The parent calls :func:`beside_predicted` after the stages, whatever they left: it reads ``<out>/gpu_<stage>.json``,
 picks the prediction rows of ``bench/results/true_shape.json`` that hold for the GPU the stages ran on
-(``gpu_check.gpu_kind``, ``gpu_check.select_predictions``), prints the table and writes
+(``gpu_check_common.gpu_kind``, ``gpu_check_common.select_predictions``), prints the table and writes
 ``<out>/predicted_vs_measured.json``. Standard library only: the parent never imports torch.
 
 A ``reduce-overhead`` setting (``compile="reduce-overhead"``, ``storage="static"``) is held to the ``reduce-overhead``
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpu_check import (
+from gpu_check_common import (
     HOST_US_PER_LAUNCH_IS,
     PREDICTION,
     STAGE_ORDER,

@@ -46,17 +46,8 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
-from gpu_check import (
-    HOOKS_ENV,
-    HOST_US_PER_LAUNCH_IS,
-    ROOT,
-    compile_kw,
-    gpu_kind,
-    hook,
-    nfe_settings,
-    read_json,
-    write_json,
-)
+from gpu_check import HOOKS_ENV, compile_kw, hook, nfe_settings
+from gpu_check_common import HOST_US_PER_LAUNCH_IS, ROOT, gpu_kind, read_json, write_json
 
 ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tdlm.data.tokenizer import build_toy_tokenizer, encode_prompts  # noqa: E402
 from tdlm.decoding import decode  # noqa: E402
 from tdlm.models.llada import LLaDA, LLaDAConfig  # noqa: E402
-from tdlm.models.loading import _init_weights, save_pretrained  # noqa: E402
+from tdlm.models.loading import _init_weights, save_backbone  # noqa: E402
 from tdlm.tasks.toydata import (  # noqa: E402
     ARITH_TRAIN_DRAWS,
     MULTI_GEN_LENGTH,
@@ -177,7 +177,7 @@ def main() -> None:
     model.eval()
     # Ship bf16 weights (half the bytes); accuracy below is measured on exactly what is shipped.
     model = model.to(torch.bfloat16)
-    save_pretrained(model, out, max_shard_bytes=50 * 2**20, name=asset_name)
+    save_backbone(model, out, max_shard_bytes=50 * 2**20, name=asset_name)
     tok.save_pretrained(str(out))
     shipped = LLaDA(LLaDAConfig.from_dict(MODEL))
     shipped.load_state_dict({k: v.float() for k, v in model.state_dict().items()})

@@ -21,7 +21,8 @@ _EXPORTS: dict[str, str] = {
     "TemporalConfig": "tdlm.temporal.model",
     "load_backbone": "tdlm.models",
     "resolve_layers": "tdlm.temporal.attention",
-    "save_pretrained": "tdlm.models",
+    "save_backbone": "tdlm.models",
+    "save_pretrained": "tdlm.models",  # deprecated name of save_backbone (a TDLM's adapter: TDLM.save_pretrained)
     "temporal_parameter_count": "tdlm.temporal.attention",
 }
 __all__ = sorted(_EXPORTS)

@@ -62,11 +62,11 @@ def test_adapter_on_wrong_backbone_fails_clearly(tmp_path):
 def test_adapter_refuses_a_same_shape_backbone_with_other_weights(tmp_path):
     # "A Base adapter on an Instruct model": same architecture and files sizes, other weights.
     base = tdlm.load_backbone("tiny-llada")
-    tdlm.save_pretrained(base, tmp_path / "base")
+    tdlm.save_backbone(base, tmp_path / "base")
     instruct = tdlm.load_backbone("tiny-llada")
     with torch.no_grad():
         instruct.blocks[0].q_proj.weight.add_(0.01)
-    tdlm.save_pretrained(instruct, tmp_path / "instruct")
+    tdlm.save_backbone(instruct, tmp_path / "instruct")
     base, instruct = tdlm.load_backbone(str(tmp_path / "base")), tdlm.load_backbone(str(tmp_path / "instruct"))
     assert base.weight_fingerprint != instruct.weight_fingerprint
     sizes = [sorted(f.stat().st_size for f in (tmp_path / d).glob("*.safetensors")) for d in ("base", "instruct")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tdlm
-from tdlm.models.loading import PRESETS, build_backbone, save_pretrained
+from tdlm.models.loading import PRESETS, build_backbone, save_backbone
 
 LLADA_BLOCK_KEYS = {
     "attn_norm.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight", "attn_out.weight",
@@ -53,7 +53,7 @@ def test_release_configs_build_the_published_shapes():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_release_folder_round_trip(name, tmp_path):
     bb = tdlm.load_backbone(name)
-    folder = save_pretrained(bb, tmp_path / "ckpt", max_shard_bytes=100_000)  # forces several shards
+    folder = save_backbone(bb, tmp_path / "ckpt", max_shard_bytes=100_000)  # forces several shards
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     assert len(shards) > 2
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -70,7 +70,7 @@ def test_release_folder_round_trip(name, tmp_path):
 def test_release_style_config_json_is_accepted(tmp_path):
     # A config.json written the way the LLaDA release writes it (extra fields, AutoMap, etc.).
     bb = tdlm.load_backbone("tiny-llada")
-    folder = save_pretrained(bb, tmp_path / "ckpt")
+    folder = save_backbone(bb, tmp_path / "ckpt")
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("tdlm_temporal_default")
     cfg.update(
@@ -83,7 +83,7 @@ def test_release_style_config_json_is_accepted(tmp_path):
 
 
 def test_bf16_checkpoint_on_cpu_warns_unless_a_dtype_is_chosen(tmp_path, caplog):
-    folder = save_pretrained(tdlm.load_backbone("tiny-llada").to(torch.bfloat16), tmp_path / "ckpt")
+    folder = save_backbone(tdlm.load_backbone("tiny-llada").to(torch.bfloat16), tmp_path / "ckpt")
     with caplog.at_level("WARNING", logger="tdlm.models"):
         assert next(tdlm.load_backbone(str(folder)).parameters()).dtype == torch.bfloat16
     assert "dtype='float32'" in caplog.text
@@ -177,7 +177,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
 
 def test_truncated_checkpoint_is_reported(tmp_path):
     bb = tdlm.load_backbone("tiny-dream")
-    folder = save_pretrained(bb, tmp_path / "ckpt", max_shard_bytes=100_000)
+    folder = save_backbone(bb, tmp_path / "ckpt", max_shard_bytes=100_000)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[1]
     (folder / victim).unlink()

@@ -572,7 +572,7 @@ def test_an_adapter_from_another_backbone_is_refused_unless_allowed(tmp_path):
         other.blocks[0].q_proj.weight.add_(0.01)
     for f in (tmp_path / "other").glob("*.safetensors*"):
         f.unlink()
-    tdlm.save_pretrained(other, tmp_path / "other")
+    tdlm.save_backbone(other, tmp_path / "other")
     adapter = tdlm.TDLM(tdlm.load_backbone("tiny-arith", dtype="float32"),
                         tdlm.TemporalConfig(layers="dispersed:2", heads=2, head_dim=8)).save_adapter(tmp_path / "ad")
     cfg = cfg_for(tmp_path / "refused", backbone=str(tmp_path / "other"), adapters=[str(adapter)], tasks=["arith"],

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_check  # noqa: E402  (stdlib imports only: the parent side never imports torch)
+import gpu_check_common  # noqa: E402  (the leaf the parent, the child and the comparison share)
 import gpu_check_stages  # noqa: E402  (the child's module; it imports torch only inside its stages)
 
 
@@ -175,8 +176,8 @@ def test_reduce_overhead_settings_are_timed_against_compile_true_and_each_has_it
     assert gpu_check.compile_kw("eager", True) == {"compile": False}
     dry = [s["name"] for s in gpu_check.nfe_settings(dry_run=True)]
     assert {"llada-8b/b1/none/reduce-overhead", "llada-8b/b1/dual/reduce-overhead"} <= set(dry)
-    real = json.loads(gpu_check.PREDICTION.read_text())
-    sel = gpu_check.select_predictions(real, "h200")["gpu_check"]
+    real = json.loads(gpu_check_common.PREDICTION.read_text())
+    sel = gpu_check_common.select_predictions(real, "h200")["gpu_check"]
     predicted = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"]}
     for name in ro:
         model, b, cache, _ = name.split("/")
@@ -192,12 +193,12 @@ def test_a_reduce_overhead_row_is_compared_with_its_prediction_and_its_compile_t
     rows = [{"item": f"llada-8b/b8/dual/{mode}", "model": "llada-8b", "batch": 8, "cache": "dual", "mode": mode,
              "purpose": "speed", "threshold_ms_per_nfe": ms, "tdlm_ms_per_nfe": ms * 1.02}
             for mode, ms in (("compiled", 9.0), ("reduce-overhead", 6.3))]  # fmt: skip
-    gpu_check.write_json(tmp_path / "gpu_nfe_dryrun.json", {"stage": "nfe", "status": "ok", "rows": rows})
+    gpu_check_common.write_json(tmp_path / "gpu_nfe_dryrun.json", {"stage": "nfe", "status": "ok", "rows": rows})
     from gpu_check_compare import beside_predicted
 
     out = {r["what"]: r for r in beside_predicted(tmp_path, True)["rows"]}
-    pred = {(r["setting"], r["policy"]): r for r in json.loads(gpu_check.PREDICTION.read_text())["reduce_overhead"]
-            ["rows"]}  # fmt: skip
+    real = json.loads(gpu_check_common.PREDICTION.read_text())
+    pred = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"]}
     for policy in ("threshold", "tdlm"):
         p = pred[("llada-8b/b8/dual/reduce-overhead", policy)]
         ms = out[f"ms/NFE llada-8b b8 dual reduce-overhead {policy}"]
@@ -210,11 +211,11 @@ def test_a_reduce_overhead_row_is_compared_with_its_prediction_and_its_compile_t
 
 
 def test_gpu_names_select_only_their_own_prediction_rows():
-    assert gpu_check.gpu_kind("NVIDIA H200") == "h200"
-    assert gpu_check.gpu_kind("NVIDIA GH200 480GB") == "gh200"
-    assert gpu_check.gpu_kind("NVIDIA GH200 144G HBM3e") == "gh200"
+    assert gpu_check_common.gpu_kind("NVIDIA H200") == "h200"
+    assert gpu_check_common.gpu_kind("NVIDIA GH200 480GB") == "gh200"
+    assert gpu_check_common.gpu_kind("NVIDIA GH200 144G HBM3e") == "gh200"
     for other in ("NVIDIA H100 80GB HBM3", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "", None):
-        assert gpu_check.gpu_kind(other) is None
+        assert gpu_check_common.gpu_kind(other) is None
     pred = {
         "gpu_check": {"gpu": "h200", "rows": [
             {"model": "llada-8b", "batch": 1, "cache": "none", "threshold_ms_per_nfe": {"compiled": 7.0}},
@@ -227,18 +228,18 @@ def test_gpu_names_select_only_their_own_prediction_rows():
                                                  "peak": {"Total": 1}}]}},
         "launch_us": 5.0,
     }  # fmt: skip
-    h200 = gpu_check.select_predictions(pred, gpu_check.gpu_kind("NVIDIA H200"))
+    h200 = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA H200"))
     assert set(h200["gpu_check"]) == {("llada-8b", 1, "none")}
     assert h200["per_nfe"][("llada-8b", "backbone", "none")] == {"eager": 17.0}
-    gh200 = gpu_check.select_predictions(pred, gpu_check.gpu_kind("NVIDIA GH200 480GB"))
+    gh200 = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA GH200 480GB"))
     assert set(gh200["gpu_check"]) == {("llada-8b", 1, "dual")}  # never the H200 section's rows
     assert gh200["per_nfe"][("llada-8b", "backbone", "none")] == {"eager": 18.0}
-    none = gpu_check.select_predictions(pred, gpu_check.gpu_kind("NVIDIA H100 80GB HBM3"))
+    none = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA H100 80GB HBM3"))
     assert none["gpu_check"] == {} and none["per_nfe"] == {} and none["decode_memory"] == {}
     assert none["launch_us"] is None and none["kernels"] == {}
-    real = json.loads(gpu_check.PREDICTION.read_text())  # today's file: H200 rows for the checked settings
-    assert len(gpu_check.select_predictions(real, "h200")["gpu_check"]) == len(real["gpu_check"]["rows"])
-    assert gpu_check.select_predictions(real, "gh200")["gpu_check"] == {}
+    real = json.loads(gpu_check_common.PREDICTION.read_text())  # today's file: H200 rows for the checked settings
+    assert len(gpu_check_common.select_predictions(real, "h200")["gpu_check"]) == len(real["gpu_check"]["rows"])
+    assert gpu_check_common.select_predictions(real, "gh200")["gpu_check"] == {}
 
 
 def test_kernels_and_host_time_are_counted_inside_the_compiled_region_only():
@@ -279,3 +280,114 @@ def test_fetch_names_the_wheels_of_the_asked_architecture():
     bad = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--fetch", "--arch", "ppc64le", "--print"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "x86_64 or aarch64" in bad.stderr
+
+
+# -- fast: the deadline's origin and a restarted child's rows, with a fake clock, a fake run_stage, a fake child ----
+NOW = 1_000_000.0  # the fake clock's time
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """gpu_check's ``time.time()`` frozen at NOW (its own module reference only), and the signal handlers main
+    installs put back afterwards (main makes SIGINT raise its Interrupted)."""
+    import signal
+    from types import SimpleNamespace
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(gpu_check, "time", SimpleNamespace(time=lambda: NOW, sleep=time.sleep))
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def _fake_stages(monkeypatch) -> list[tuple[str, float]]:
+    started: list[tuple[str, float]] = []
+
+    def run_stage(stage, items, path, until, args, cap_s):
+        started.append((stage, until))
+        return {"stage": stage, "status": "ok", "items": dict.fromkeys(items, "ok"), "seconds": 0.0}
+
+    monkeypatch.setattr(gpu_check, "run_stage", run_stage)
+    monkeypatch.setattr(gpu_check, "beside_predicted", lambda out, dry_run: {})
+    return started
+
+
+def test_the_deadline_counts_from_the_wrappers_start_not_the_python_processes(tmp_path, monkeypatch, fake_clock):
+    # gpu_check.sh started 300 s before this process (a slow wheel install): of the 420 s, 110 s are left
+    monkeypatch.setenv(gpu_check.T0_ENV, str(NOW - 300))
+    started = _fake_stages(monkeypatch)
+    assert gpu_check.main(["--out", str(tmp_path), "--stages", "train,nfe", "--deadline-s", "420"]) == 0
+    end = (NOW - 300) + 420 - gpu_check.RESERVE_S
+    assert started == [("train", NOW + 75), ("nfe", end)]  # train: its 75 s cap; nfe: the rest, to the wrapper's end
+    assert gpu_check.run_start({gpu_check.T0_ENV: "123.5"}) == 123.5
+    assert gpu_check.run_start({}) == NOW  # without the wrapper: this process's start
+
+
+def test_a_wrapper_start_past_the_deadline_starts_no_stage(tmp_path, monkeypatch, fake_clock):
+    monkeypatch.setenv(gpu_check.T0_ENV, str(NOW - 415))  # 5 s left of 420, less the reserve: none
+    started = _fake_stages(monkeypatch)
+    assert gpu_check.main(["--out", str(tmp_path), "--stages", "train,nfe", "--deadline-s", "420"]) == 0
+    assert started == []
+    for name in ("train", "nfe"):
+        doc = json.loads((tmp_path / f"gpu_{name}.json").read_text())
+        assert doc["status"] == "deadline" and doc["error"] == "no time left at its turn", doc
+        assert set(doc["items"].values()) == {"not run"}
+
+
+def test_the_wrapper_exports_its_own_start_to_the_check(tmp_path):
+    """gpu_check.sh sets GPU_CHECK_T0 when it starts, replacing any inherited value (a stale one from an earlier
+    run would leave no budget; none would start the clock only when Python does)."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "T0=$GPU_CHECK_T0 ARGS=$*"\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "OUT"} | {"PYTHON": str(fake), "GPU_CHECK_T0": "5.0"}
+    before = time.time()
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry-run", "--stages", "nfe"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    after = time.time()
+    assert proc.returncode == 0, proc.stderr
+    t0, args = proc.stdout.strip().removeprefix("T0=").split(" ARGS=")
+    assert before - 0.01 <= float(t0) <= after and args == "bench/gpu_check.py --dry-run --stages nfe"
+
+
+FAKE_CHILD = """import os, sys, types
+sys.path[:0] = [{bench!r}]
+import gpu_check_stages as s
+s.build_context = lambda stage, dry_run: types.SimpleNamespace(info={{"name": "fake"}}, cleanup=lambda: None)
+s.STAGES["train"] = (lambda ctx: {{}}, lambda ctx, item, partial: {{"pid": os.getpid()}}, lambda doc: None)
+sys.exit(s.main())
+"""
+
+
+def test_a_restarted_child_keeps_the_rows_its_predecessor_wrote(tmp_path, monkeypatch):
+    # The stage child is the real child_main with toy settings (no torch): the second setting's CUDA error ends
+    # the first child (exit 3, restart), and the parent runs the third in a new child, which must append.
+    child = tmp_path / "child.py"
+    child.write_text(FAKE_CHILD.format(bench=str(REPO / "bench")))
+    monkeypatch.setattr(gpu_check, "CHILD", child)
+    monkeypatch.setenv(gpu_check.HOOKS_ENV, "cudaerror:train:b")
+    path = tmp_path / "gpu_train.json"
+    args = type("Args", (), {"dry_run": True})()
+    doc = gpu_check.run_stage("train", ["a", "b", "c"], path, time.time() + 120, args, 0.0)
+    assert [(c["rc"], c["stopped"]) for c in doc["children"]] == [(3, None), (0, None)]
+    assert [r["item"] for r in doc["rows"]] == ["a", "b", "c"], doc["rows"]
+    assert doc["items"] == {"a": "ok", "b": "failed", "c": "ok"} and "CUDA error" in doc["rows"][1]["error"]
+    assert doc["rows"][0]["pid"] != doc["rows"][2]["pid"]  # two children wrote them
+    assert json.loads(path.read_text())["rows"] == doc["rows"]
+
+
+def test_a_child_started_on_a_stage_file_appends_to_its_rows(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    path = tmp_path / "gpu_train.json"
+    gpu_check_common.write_json(path, {"stage": "train", "rows": [{"item": "a", "status": "ok", "by": "first"}],
+                                       "running": None, "status": "running"})  # fmt: skip
+    monkeypatch.setattr(sys, "path", list(sys.path))  # child_main puts bench/ and the root first
+    monkeypatch.setattr(gpu_check_stages, "build_context",
+                        lambda stage, dry_run: SimpleNamespace(info={"name": "fake"}, cleanup=lambda: None))
+    monkeypatch.setitem(gpu_check_stages.STAGES, "train",
+                        (lambda ctx: {}, lambda ctx, item, partial: {"by": "second"}, lambda doc: None))
+    monkeypatch.delenv(gpu_check.HOOKS_ENV, raising=False)
+    assert gpu_check_stages.child_main("train", ["b"], path, True) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["item"], r["by"]) for r in rows] == [("a", "first"), ("b", "second")], rows

@@ -1,7 +1,11 @@
-"""The package's import graph: no cycles between modules, and no import from a layer to a layer above it.
+"""The import graph: no cycle anywhere in the tree, and no import from a layer of the package to a layer above it.
 
 The graph is read from the source (``ast`` over every module of ``tdlm/``, imports inside functions included, so a
-lazy import cannot hide an upward dependency). ``LAYERS`` is the architecture written down, lowest first; layers in
+lazy import cannot hide an upward dependency). The cycle check covers the whole tree (:func:`tree_graph`): the
+package and the entry-point folders ``SCRIPT_DIRS``, whose files run as scripts with their own folder first on
+``sys.path``, so a bare ``import gpu_check`` in ``bench/`` is an edge to ``bench/gpu_check.py``; a cycle among them
+is only held together by import order (a deferred import, a ``sys.modules`` alias) and breaks when either side is
+imported first. ``LAYERS`` is the architecture written down, lowest first; layers in
 one tuple are siblings that must not import each other. ``tdlm/__init__.py`` (the public facade) may import any
 layer and no module may import it; ``tdlm.demo`` is the top entry point.
 """
@@ -9,11 +13,15 @@ layer and no module may import it; ``tdlm.demo`` is the top entry point.
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "tdlm"
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / "tdlm"
+# entry points and tools outside the package: no __init__.py, each file run as a script (its folder on sys.path)
+SCRIPT_DIRS = ("bench", "scripts", "launcher", "eval", "ray_jobs")
 
 # lowest first; a module may import its own layer or any layer listed before it
 LAYERS: list[tuple[str, ...]] = [
@@ -66,6 +74,79 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
                     deps.add(sub if sub in files else target)
         graph[mod] = {d for d in deps if d != mod}
     return graph
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The longest prefix of a dotted import that is a known module (``tdlm.models.loading.save_backbone`` ->
+    ``tdlm.models.loading``), or None for anything outside the tree (the standard library, torch)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return None
+
+
+def tree_graph(repo: Path = REPO, script_dirs: tuple[str, ...] = SCRIPT_DIRS) -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports: the package (:func:`import_graph`) plus every ``*.py`` of
+    ``script_dirs``, named ``<dir>.<file>``. In a script folder a bare import of a sibling file (``from gpu_check
+    import x``) is an edge to ``<dir>.gpu_check``; ``tdlm...`` and ``<dir>.<file>`` imports resolve as dotted names."""
+    graph = import_graph(repo / "tdlm") if (repo / "tdlm").is_dir() else {}
+    folders = {d: {p.stem: p for p in sorted((repo / d).glob("*.py"))} for d in script_dirs if (repo / d).is_dir()}
+    known = set(graph) | {f"{d}.{stem}" for d, files in folders.items() for stem in files}
+    for d, files in folders.items():
+        for stem, path in files.items():
+            names: list[str] = []
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names += [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps: set[str] = set()
+            for name in names:
+                top = name.split(".")[0]
+                target = _resolve(f"{d}.{name}", known) if top in files else _resolve(name, known)
+                if target:
+                    deps.add(target)
+            graph[f"{d}.{stem}"] = deps - {f"{d}.{stem}"}
+    return graph
+
+
+def cycle_groups(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle, as the strongly connected components of more than one module (Tarjan): the count the
+    whole-tree check holds at zero, each component named in full, not only the first closed path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on.add(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in graph:
+                continue
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in on:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            group = []
+            while True:
+                x = stack.pop()
+                on.discard(x)
+                group.append(x)
+                if x == m:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return out
 
 
 def layer_of(mod: str) -> int | None:
@@ -135,6 +216,14 @@ def test_no_import_cycles():
     assert find_cycle(import_graph()) is None, f"import cycle: {' -> '.join(find_cycle(import_graph()))}"
 
 
+def test_no_import_cycles_anywhere_in_the_tree():
+    graph = tree_graph()
+    assert {m.split(".")[0] for m in graph} == {"tdlm", *SCRIPT_DIRS}  # every folder was read
+    assert "bench.gpu_check_common" in graph["bench.gpu_check_compare"]  # bare sibling imports are edges
+    assert "tdlm.models.loading" in graph["scripts.train_tiny_backbone"]  # and imports of the package
+    assert cycle_groups(graph) == [], f"import cycles: {cycle_groups(graph)}"
+
+
 def test_imports_only_go_down_the_layers():
     assert violations(import_graph()) == []
 
@@ -168,6 +257,47 @@ def test_planted_cycle_is_found(tmp_path):
     cycle = find_cycle(graph)
     assert cycle is not None and set(cycle) == {"tdlm.models.a", "tdlm.temporal.b"}
     assert any("tdlm.models.a (layer tdlm.models) imports tdlm.temporal.b" in v for v in violations(graph))
+
+
+def _plant_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        p = tmp_path / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path
+
+
+def test_planted_circle_between_scripts_is_found(tmp_path):
+    repo = _plant_tree(tmp_path, {
+        "tdlm/__init__.py": "",
+        "tdlm/models/__init__.py": "",
+        "tdlm/models/loading.py": "",
+        "bench/a.py": "import sys\nfrom b import shared\nfrom tdlm.models.loading import save_backbone\n",
+        "bench/b.py": "def f():\n    from a import g  # deferred: still an edge\n",
+        "bench/leaf.py": "import json\n",
+        "scripts/c.py": "import leaf  # no sibling of that name in scripts/: not an edge to bench.leaf\n",
+        "eval/d.py": "from bench.leaf import x\nimport e\n",
+        "eval/e.py": "import d\n",
+    })
+    graph = tree_graph(repo)
+    assert graph["bench.a"] == {"bench.b", "tdlm.models.loading"}
+    assert graph["scripts.c"] == set() and graph["eval.d"] == {"bench.leaf", "eval.e"}
+    assert cycle_groups(graph) == [["bench.a", "bench.b"], ["eval.d", "eval.e"]]
+    cycle = find_cycle(graph)
+    assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) in ({"bench.a", "bench.b"}, {"eval.d", "eval.e"})
+    (repo / "bench" / "b.py").write_text("from leaf import x\n")  # the shared names moved to a leaf: no circle
+    (repo / "eval" / "e.py").write_text("")
+    assert cycle_groups(tree_graph(repo)) == [] and find_cycle(tree_graph(repo)) is None
+
+
+def test_the_gpu_check_circle_planted_back_is_found(tmp_path):
+    """The circle this check was extended for: bench/gpu_check.py and gpu_check_compare.py importing each other."""
+    bench = tmp_path / "bench"
+    shutil.copytree(REPO / "bench", bench, ignore=shutil.ignore_patterns("results", "__pycache__", "*.json"))
+    assert cycle_groups(tree_graph(tmp_path, ("bench",))) == []
+    compare = bench / "gpu_check_compare.py"
+    compare.write_text(compare.read_text().replace("from gpu_check_common import (", "from gpu_check import ("))
+    assert cycle_groups(tree_graph(tmp_path, ("bench",))) == [["bench.gpu_check", "bench.gpu_check_compare"]]
 
 
 @pytest.mark.parametrize("importer, imported, words", [

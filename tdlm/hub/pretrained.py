@@ -1,6 +1,9 @@
-"""Adapters on the Hugging Face Hub: ``save_pretrained`` / ``push_to_hub`` with a model card, and the ``card`` /
-``push``
-commands (``TDLM.from_pretrained`` reads them: :mod:`tdlm.temporal.adapter_files`).
+"""Adapters on the Hugging Face Hub: ``save_pretrained`` / ``push_to_hub`` with a model card and its evaluation
+table, and the ``card`` / ``push`` commands (``TDLM.from_pretrained`` reads them: :mod:`tdlm.temporal.adapter_files`).
+
+``TDLM.save_pretrained(dir)`` writes the same folder without an evaluation table (the model never imports this layer,
+which reads evaluation results); ``save_pretrained`` here is that method plus the table. Both write the card with
+:func:`tdlm.temporal.card.write_card`. (``tdlm.save_backbone`` writes a *backbone*, never an adapter.)
 
 A TDLM adapter repository holds the adapter's two files and a model card::
 
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -33,7 +35,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tdlm.errors import TDLMError
-from tdlm.hub.card import model_card
 from tdlm.temporal.adapter_files import (
     ADAPTER_CONFIG,
     ADAPTER_CONFIG_LEGACY,
@@ -41,6 +42,7 @@ from tdlm.temporal.adapter_files import (
     CARD,
     adapter_config_path,
 )
+from tdlm.temporal.card import write_card
 
 if TYPE_CHECKING:
     from tdlm.temporal.model import TDLM
@@ -71,23 +73,19 @@ def evaluation_runs(adapter_dir: str | os.PathLike, evaluations: Sequence[str | 
 def write_model_card(adapter_dir: str | os.PathLike, evaluations: Sequence[str | os.PathLike] = (),
                      repo_id: str | None = None) -> Path:
     """(Re)write ``README.md`` in an adapter folder from its config and the evaluations that decoded it."""
-    cfg_path = adapter_config_path(adapter_dir)
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
-    runs = evaluation_runs(adapter_dir, evaluations) if evaluations else []
-    out = Path(adapter_dir) / CARD
-    model_card(cfg, runs, repo_id).save(str(out))
-    return out
+    adapter_config_path(adapter_dir)  # a folder without a config is refused before any evaluation is read
+    return write_card(adapter_dir, evaluation_runs(adapter_dir, evaluations) if evaluations else [], repo_id)
 
 
 # -- save / load -----------------------------------------------------------------------------------
 def save_pretrained(model: TDLM, directory: str | os.PathLike, evaluations: Sequence[str | os.PathLike] = (),
                     repo_id: str | None = None) -> Path:
-    """The adapter files plus the model card (with the evaluation table when ``evaluations`` decoded it)."""
-    out = model.save_adapter(directory)
-    write_model_card(out, evaluations, repo_id)
+    """``model.save_pretrained`` (the adapter files and the card), then the card again with the evaluation table
+    when ``evaluations`` decoded these weights: the rows are matched against the written weights, so they exist
+    only after the files do."""
+    out = model.save_pretrained(directory, repo_id=repo_id)
+    if evaluations:
+        write_model_card(out, evaluations, repo_id)
     return out
 
 

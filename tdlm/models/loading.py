@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -229,10 +230,25 @@ def load_backbone(
     return model.to(device).freeze()
 
 
-def save_pretrained(
+def _refuse_non_backbone(model: object, called: str) -> None:
+    """A TDLM handed to a backbone writer would have every backbone shard written (16 GB at 8B) before its missing
+    ``config_dict`` raised, leaving a half-written folder: refuse it, by its adapter method (``tdlm.models`` sits
+    below ``tdlm.temporal`` and cannot import ``TDLM``), before any file exists."""
+    if isinstance(model, Backbone):
+        return
+    if hasattr(model, "save_adapter"):
+        raise TDLMError(f"{called} writes a backbone, not a TDLM adapter: call model.save_pretrained(dir) for the "
+                        f"adapter and its card, or tdlm.save_backbone(model.backbone, dir) for the backbone")
+    raise TDLMError(f"{called} writes a tdlm Backbone (tdlm.load_backbone), got {type(model).__name__}")
+
+
+def save_backbone(
     model: Backbone, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, name: str | None = None
 ) -> Path:
-    """Write ``config.json`` + safetensors shards + ``model.safetensors.index.json`` (release layout)."""
+    """Write ``config.json`` + safetensors shards + ``model.safetensors.index.json`` (release layout) of a backbone,
+    which ``load_backbone(folder)`` reads; a TDLM is refused before anything is written (its adapter:
+    ``TDLM.save_pretrained``)."""
+    _refuse_non_backbone(model, "tdlm.save_backbone")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -264,6 +280,18 @@ def save_pretrained(
     ]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def save_pretrained(
+    model: Backbone, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3, name: str | None = None
+) -> Path:
+    """Deprecated name of :func:`save_backbone`, kept so existing backbone scripts still run. Renamed because
+    ``tdlm.save_pretrained`` read as the pair of ``TDLM.from_pretrained`` (an adapter); a TDLM is refused here
+    before any file is written."""
+    _refuse_non_backbone(model, "tdlm.save_pretrained (now tdlm.save_backbone)")
+    warnings.warn("tdlm.save_pretrained is renamed tdlm.save_backbone (it writes a backbone); an adapter is written by "
+                  "TDLM.save_pretrained", DeprecationWarning, stacklevel=2)
+    return save_backbone(model, folder, max_shard_bytes, name)
 
 
 def _key_index(files: list[Path]) -> dict[str, Path]:

@@ -58,6 +58,7 @@ from tdlm.models.kv_cache import KVStep
 from tdlm.temporal import adapter_files
 from tdlm.temporal.adapter_files import check_history_switch, resolve_adapter
 from tdlm.temporal.attention import TemporalAttention, resolve_layers, temporal_parameter_count
+from tdlm.temporal.card import write_card
 from tdlm.temporal.history import HistoryPolicy, LatentCache, TemporalCache
 from tdlm.temporal.perceiver import LatentMemory, perceiver_parameter_count
 from tdlm.temporal.storage import (
@@ -542,6 +543,15 @@ class TDLM(nn.Module):
         """Write ``adapter.safetensors`` + ``tdlm_adapter.json`` (no backbone weights)."""
         return adapter_files.save_adapter(self, directory)
 
+    def save_pretrained(self, directory: str | os.PathLike, repo_id: str | None = None) -> Path:
+        """The adapter files plus the model card: the folder :meth:`from_pretrained` reads, so ``save_pretrained`` /
+        ``from_pretrained`` pair on the model as they do in ``transformers``. No backbone weight is written (the
+        backbone is loaded by name; ``tdlm.save_backbone`` writes one). The card has no evaluation table: the rows
+        come from evaluation folders, which ``tdlm.hub.save_pretrained(model, dir, evaluations=...)`` reads."""
+        out = self.save_adapter(directory)
+        write_card(out, (), repo_id)
+        return out
+
     @classmethod
     def from_adapter(
         cls,
@@ -569,8 +579,8 @@ class TDLM(nn.Module):
                         local_files_only: bool | None = None, dtype=None, device="cpu") -> TDLM:
         """``from_adapter`` on a local folder or a Hub repo id (``huggingface_hub.snapshot_download``; offline with
         ``HF_HUB_OFFLINE``). ``backbone``: a Backbone, or a name / folder / cached Hub id for ``tdlm.load_backbone``.
-        Writing and uploading (with a model card) are functions of the Hub layer: ``tdlm.hub.save_pretrained`` and
-        ``tdlm.hub.push_to_hub``."""
+        :meth:`save_pretrained` writes such a folder (with a model card); the card's evaluation table and uploading
+        are functions of the Hub layer: ``tdlm.hub.save_pretrained`` and ``tdlm.hub.push_to_hub``."""
         from tdlm.models.loading import load_backbone
 
         folder = resolve_adapter(source, revision, cache_dir, token, local_files_only)

@@ -1,14 +1,21 @@
 """The model card of a TDLM adapter, rendered from data: the adapter's config and its evaluation rows.
 
 The rows are plain dicts (one per evaluated run, as ``tdlm.evaluation.report.load_runs`` returns them); this module
-never reads an evaluation folder, so it has no dependency on the evaluator.
+never reads an evaluation folder, so it has no dependency on the evaluator. That is why it sits beside the adapter
+files, below the model: ``TDLM.save_pretrained`` writes the card with no evaluation table through :func:`write_card`,
+and the Hub layer (``tdlm.hub.save_pretrained`` / ``write_model_card``) calls the same function with the rows it
+reads from evaluation folders, so the model never imports the Hub layer and there is one card writer.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
-from tdlm.temporal.adapter_files import LIBRARY
+from tdlm.errors import TDLMError
+from tdlm.temporal.adapter_files import CARD, LIBRARY, adapter_config_path
 
 # Benchmarks with a Hub dataset: their accuracy goes into the card's model-index metadata too.
 HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "GSM8K", "main", "test"),
@@ -160,3 +167,16 @@ def model_card(cfg: dict, runs: Sequence[dict] = (), repo_id: str | None = None)
         alignment=cfg.get("alignment", "input"), recipe=_recipe_text(cfg.get("training")),
         evaluation=evaluation_text(list(runs)),
     )
+
+
+def write_card(adapter_dir: str | os.PathLike, runs: Sequence[dict] = (), repo_id: str | None = None) -> Path:
+    """(Re)write ``README.md`` in an adapter folder from its ``tdlm_adapter.json`` and evaluation rows given as data
+    (the one card writer: ``TDLM.save_pretrained`` passes none, ``tdlm.hub.write_model_card`` the rows it read)."""
+    cfg_path = adapter_config_path(adapter_dir)
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise TDLMError(f"{cfg_path}: invalid JSON: {e}") from e
+    out = Path(adapter_dir) / CARD
+    model_card(cfg, runs, repo_id).save(str(out))
+    return out
