@@ -22,7 +22,7 @@ import torch
 import tdlm
 from tdlm.errors import TDLMError
 from tdlm.evaluation import EvalConfig, IncompleteResults, compute_speedups, evaluate, expand, pareto_front, render
-from tdlm.evaluation.metrics import aggregate
+from tdlm.evaluation.metrics import SPEEDUP_FIELDS, aggregate
 from tdlm.evaluation.records import Appender, merge, read_records, repair, shard_path
 from tdlm.evaluation.report import load_runs
 from tdlm.tasks.base import default_data_dir
@@ -113,6 +113,30 @@ def test_speedup_math_on_synthetic_numbers():
         _run("gsm8k", "tdlm", 0.7, 20.0, 0.4, tau=0.7, adapter_label="a", history="full"),
     ])
     assert runs2[1]["speedup_vs_threshold"] == 2.0 and runs2[1]["threshold_baseline_tau"] == 0.7
+
+
+def test_a_baseline_run_twice_in_one_group_gives_no_ratio_against_either():
+    """Two folders combined, each with threshold at tau 0.9 (or each with original): which one is the baseline is
+    unknown, so the ratios against it are None, never against the first or the last one read, and no other tau
+    stands in for the ambiguous reference. A group with one of each still compares."""
+    runs = [
+        _run("gsm8k", "original", 0.80, 256.0, 4.0),
+        _run("gsm8k", "original", 0.80, 250.0, 5.0),
+        _run("gsm8k", "threshold", 0.79, 80.0, 1.6, tau=0.9),
+        _run("gsm8k", "threshold", 0.78, 60.0, 1.2, tau=0.9),
+        _run("gsm8k", "threshold", 0.70, 40.0, 0.8, tau=0.95),
+        _run("gsm8k", "tdlm", 0.79, 40.0, 0.5, tau=0.95, adapter_label="a", history="full"),
+        _run("mbpp", "original", 0.40, 256.0, 8.0),
+        _run("mbpp", "threshold", 0.40, 64.0, 4.0, tau=0.9),
+        _run("mbpp", "tdlm", 0.41, 32.0, 2.0, tau=0.95, adapter_label="a", history="full"),
+    ]
+    compute_speedups(runs, reference_tau=0.9)
+    tdlm = runs[5]
+    for field in SPEEDUP_FIELDS:
+        assert tdlm[field] is None, (field, tdlm[field])
+    mtdlm = runs[8]
+    assert mtdlm["speedup_vs_threshold"] == 2.0 and mtdlm["speedup_vs_original"] == 4.0
+    assert mtdlm["threshold_baseline_tau"] == 0.9
 
 
 def test_aggregate():

@@ -16,6 +16,10 @@ same backbone on the same task").
     the threshold run with the same cache when there is one (TDLM + dual cache vs Fast-dLLM + dual
     cache), else with the uncached one.
 
+A baseline run twice in one key (two folders combined, each with ``threshold-tau0.9``) is no baseline: the ratios
+against it are None rather than against whichever came first (the paired rows refuse the same group in a footnote,
+:func:`tdlm.evaluation.paired.paired_against`).
+
 Speedups are recomputed from the per-run summaries whenever runs are combined (``eval/compare.py``),
 so runs from different output dirs compare as long as they share the key.
 """
@@ -89,16 +93,19 @@ def compute_speedups(runs: list[dict], reference_tau: float = 0.9) -> list[dict]
     for r in runs:
         by_key.setdefault(comparison_key(r), []).append(r)
     for group in by_key.values():
-        original = next((r for r in group if r["policy"] == "original" and _cache(r) == "none"), None)
-        thresholds = {(float(r["threshold"]), _cache(r)): r for r in group if r["policy"] == "threshold"}
+        originals = [r for r in group if r["policy"] == "original" and _cache(r) == "none"]
+        original = originals[0] if len(originals) == 1 else None  # two: which one is the baseline is unknown
+        seen: dict[tuple, list[dict]] = {}
+        for r in group:
+            if r["policy"] == "threshold":
+                seen.setdefault((float(r["threshold"]), _cache(r)), []).append(r)
         for r in group:
             base = None
-            for cache in dict.fromkeys((_cache(r), "none")):
-                base = thresholds.get((float(reference_tau), cache))
-                if base is None and r.get("threshold") is not None:
-                    base = thresholds.get((float(r["threshold"]), cache))
-                if base is not None:
-                    break
+            taus = [float(reference_tau)] + ([float(r["threshold"])] if r.get("threshold") is not None else [])
+            # the first baseline that was run, in order of preference; one run twice ends the search with none
+            found = next((seen[k] for cache in dict.fromkeys((_cache(r), "none")) for tau in taus
+                          if (k := (tau, cache)) in seen), [])  # fmt: skip
+            base = found[0] if len(found) == 1 else None
             r["speedup_vs_original"] = ratio(original and original["seconds_mean"], r["seconds_mean"])
             r["nfe_ratio_vs_original"] = ratio(original and original["nfe_mean"], r["nfe_mean"])
             r["speedup_vs_threshold"] = ratio(base and base["seconds_mean"], r["seconds_mean"])

@@ -34,7 +34,10 @@ pass@1 means every assert held and the program exited 0. Code scoring fails clos
 with one line naming what the kernel refused and nothing runs, unless ``allow_weak_sandbox`` is passed explicitly;
 then every :class:`Score` of code carries ``weakened`` (the guarantees it did not get). A run that lost a guarantee
 after the one-time probe is an ``error`` (never correct) with a one-line ``detail``. ``Score.detail`` for code is a
-short escaped excerpt, never the sample's full output.
+short escaped excerpt, never the sample's full output. An error of one problem (a test the sandbox cannot split,
+the sandbox failing on one run, Math-Verify raising) is that problem's Score (status ``error``, wrong, a one-line
+``detail``) in :class:`Scorer` and :func:`score`, never the end of the scoring run; :func:`score_code`, which has
+no problem to record it on, raises it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdlm.errors import TDLMError
-from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, run_python
+from tdlm.evaluation.sandbox import SandboxLimits, SandboxResult, excerpt, require_sandbox, run_python
 from tdlm.tasks.base import Problem
 from tdlm.tasks.mbpp import reference_names
 
@@ -212,15 +215,43 @@ def _reference_names(reference: str) -> frozenset[str]:
     return reference_names(reference)
 
 
+def _scoring_error(problem: Problem, completion: str, t0: float, e: Exception) -> Score:
+    """The record of a scoring error on one (problem, completion): wrong, status ``error``, one escaped line."""
+    code = extract_code(completion) if problem.task in CODE_TASKS else None
+    why = excerpt(" ".join(f"{type(e).__name__}: {e}".split()), 200)
+    return Score(False, "error", code, time.perf_counter() - t0, f"{problem.id}: scoring error: {why}")
+
+
+def _score_code_recorded(problem: Problem, completion: str, limits: SandboxLimits | None,
+                         allow_weak_sandbox: bool) -> Score:  # fmt: skip
+    """:func:`score_code` for one problem, where an error of that problem (an assert the sandbox cannot split, an
+    argument that does not evaluate, the sandbox failing on this one run) is recorded on its Score instead of
+    raised: one task never aborts a scoring run. The sandbox's refusal is the machine's, not the task's: it still
+    raises (fail closed; probed once per limits, so checking it first costs nothing after the first sample)."""
+    require_sandbox(limits or SandboxLimits(), allow_weak_sandbox)
+    t0 = time.perf_counter()
+    try:
+        return score_code(completion, problem.tests, problem.test_imports, limits, reference=problem.answer,
+                          allow_weak_sandbox=allow_weak_sandbox)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - any error of this one task is its record, never the run's end
+        return _scoring_error(problem, completion, t0, e)
+
+
 def score(problem: Problem, completion: str, *, limits: SandboxLimits | None = None,
           allow_weak_sandbox: bool = False) -> Score:
     """Score ``completion`` for ``problem`` in-process (math needs the main thread; see :class:`Scorer`). Code fails
-    closed as in :func:`score_code`."""
+    closed as in :func:`score_code`. An error of this one problem (a test shape the sandbox cannot split, Math-Verify
+    failing on it ...) is a Score with status ``error`` and a one-line ``detail``, never raised; what concerns every
+    problem (an unknown task, the sandbox's refusal, the wrong thread) raises :class:`TDLMError`."""
     if problem.task in MATH_TASKS:
-        return score_math(problem.task, completion, problem.answer)
+        _require_main_thread("score_math")
+        t0 = time.perf_counter()
+        try:
+            return score_math(problem.task, completion, problem.answer)
+        except Exception as e:  # noqa: BLE001 - recorded on this problem
+            return _scoring_error(problem, completion, t0, e)
     if problem.task in CODE_TASKS:
-        return score_code(completion, problem.tests, problem.test_imports, limits, reference=problem.answer,
-                          allow_weak_sandbox=allow_weak_sandbox)
+        return _score_code_recorded(problem, completion, limits, allow_weak_sandbox)
     raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")
 
 
@@ -348,12 +379,13 @@ class Scorer:
             self._idle.put(worker)
 
     def score(self, problem: Problem, completion: str) -> Score:
-        """Score one completion; never raises for a bad completion (timeouts / crashes score as wrong)."""
+        """Score one completion; never raises for a bad completion (timeouts / crashes score as wrong) nor for an
+        error of its problem (status ``error``, one-line ``detail``: the run goes on); raises :class:`TDLMError`
+        only for what concerns every problem (an unknown task, the sandbox's refusal, a closed Scorer)."""
         if problem.task in CODE_TASKS:
             # fail closed (in the sandbox itself): raises TDLMError (one line) if the sandbox lacks a guarantee and
             # weak is not allowed; probed once per limits, so this costs nothing after the first code sample
-            return score_code(completion, problem.tests, problem.test_imports, self.sandbox, reference=problem.answer,
-                              allow_weak_sandbox=self.allow_weak_sandbox)
+            return _score_code_recorded(problem, completion, self.sandbox, self.allow_weak_sandbox)
         if problem.task not in MATH_TASKS:
             raise TDLMError(f"problem.task: unknown {problem.task!r}, expected one of {list(MATH_TASKS + CODE_TASKS)}")
         t0 = time.perf_counter()

@@ -45,7 +45,8 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp refuses ``fork``
    / ``vfork`` / non-thread ``clone``, ``memfd_create``, System V shm / msg / sem, pipes and AF_UNIX sockets
    (:data:`.host.NOCGROUP_SYSCALLS`, :data:`.host.NOCGROUP_FAMILIES`: memory no process's address-space limit counts),
-   so per-process rlimits are the aggregate. Every setting: RLIMIT_MSGQUEUE 0, RLIMIT_SIGPENDING 256. The files of the
+   so per-process rlimits are the aggregate. Every setting: RLIMIT_MSGQUEUE 0, RLIMIT_MEMLOCK 0, RLIMIT_SIGPENDING
+   256; AIO, ``memfd_secret``, inotify and fanotify refused (:data:`.host.DENIED_SYSCALLS`). The files of the
    tmpfs (kernel memory, no tmpfs bytes) are bounded by a cgroup that charges kernel memory (v2, or v1 with kmem
    accounting), else by an inode limit: the in-house root's tmpfs has one, and under bubblewrap (whose ``--tmpfs`` has
    none) the launcher mounts inode-limited ones for bwrap to bind; where neither holds, ``limits`` is missing.
@@ -56,7 +57,8 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    what is missing. So ``Scorer``, ``score``, ``score_code`` and the harness task all refuse alike. A run that
    gets less than the probe found (its new root or an inode-limited tmpfs cannot be built) never runs the sample:
    the launcher stops first, and the result is an ``error`` with a one-line ``detail``, never a pass.
-7. **A maintained tool first**: ``bwrap`` (bubblewrap) when on PATH and working (as root the launcher drops to
+7. **A maintained tool first**: ``bwrap`` (bubblewrap) when installed in a system directory
+   (:data:`.core.BWRAP_PATHS`, never looked up on PATH) and working (as root the launcher drops to
    nobody first, so bwrap runs unprivileged in its own user namespace); the in-house namespaces (:mod:`.launcher`)
    otherwise, with the same guarantees. An explicit backend that is not installed is refused in one line
    (:func:`backend_unavailable`), never replaced.

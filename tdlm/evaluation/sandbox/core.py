@@ -8,7 +8,6 @@ import marshal
 import math
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -140,8 +139,13 @@ def _plan_key(limits: SandboxLimits) -> tuple:
     return (limits.python, limits.backend, limits.use_cgroups, os.geteuid())
 
 
+# Where bubblewrap may be: the system's own directories only, never PATH (a `bwrap` earlier on the caller's PATH -
+# a venv, ~/.local/bin - would build, or fake, the sandbox and its report)
+BWRAP_PATHS = ("/usr/bin/bwrap", "/bin/bwrap", "/usr/local/bin/bwrap")
+
+
 def _bwrap_path() -> str | None:
-    return shutil.which("bwrap", path="/usr/local/bin:/usr/bin:/bin:" + os.environ.get("PATH", ""))
+    return next((p for p in BWRAP_PATHS if os.path.isfile(p) and os.access(p, os.X_OK)), None)
 
 
 def backend_unavailable(backend: str) -> str | None:
@@ -151,8 +155,8 @@ def backend_unavailable(backend: str) -> str | None:
     :func:`isolation_support`'s question. ``auto`` is always available (the in-house namespaces need no program).
     """
     if backend == "bwrap" and _bwrap_path() is None:
-        return ("bwrap is not installed (not on PATH, /usr/local/bin, /usr/bin or /bin; "
-                "Debian/Ubuntu: apt-get install bubblewrap)")
+        return (f"bwrap is not installed (none of {', '.join(BWRAP_PATHS)}; PATH is not searched; "
+                "Debian/Ubuntu: apt-get install bubblewrap)")  # fmt: skip
     return None
 
 
@@ -192,7 +196,8 @@ def _plan(limits: SandboxLimits) -> _Plan:
     notes: list[str] = []
     for backend in order:
         if backend == "bwrap" and _bwrap_path() is None:
-            notes.append("bwrap: not on PATH (Debian/Ubuntu: apt-get install bubblewrap)")
+            notes.append(f"bwrap: not installed in {', '.join(BWRAP_PATHS)} (Debian/Ubuntu: apt-get install "
+                         "bubblewrap)")  # fmt: skip
             continue
         plan = _base_plan(limits, backend)
         if backend == "bwrap" and plan.interp is None:  # bwrap's root needs the interpreter's file list
@@ -498,7 +503,7 @@ def _hint(missing: list[str], notes: list[str]) -> str:
     if any(w in text for w in userns_words):
         hints.append("allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
                      "user.max_user_namespaces > 0) or run the evaluator as root")  # fmt: skip
-    if "bwrap: not on PATH" in text and os.geteuid() != 0:
+    if "bwrap: not installed" in text and os.geteuid() != 0:
         hints.append("install bubblewrap (apt-get install bubblewrap)")
     if "seccomp unavailable" in text:
         hints.append("pip install pyseccomp (needs libseccomp2)")

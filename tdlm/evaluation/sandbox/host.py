@@ -9,8 +9,9 @@
   memory controller charges), tasks and - polled by the runner - CPU time of the sample's whole process tree;
 - :func:`seccomp_program`: a libseccomp (``pyseccomp``) filter, exported as BPF, that makes ``ptrace``,
   ``keyctl``/``add_key``/``request_key``, ``setns``, ``unshare``, ``mount`` and its new-API relatives,
-  ``pivot_root``, ``chroot``, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``process_vm_*``, ``io_uring`` and
-  module / kexec calls fail with ``EPERM``, and so does ``clone`` with any ``CLONE_NEW*`` flag; ``clone3`` returns
+  ``pivot_root``, ``chroot``, ``bpf``, ``perf_event_open``, ``userfaultfd``, ``process_vm_*``, ``io_uring``, AIO
+  (``io_setup`` / ``io_submit``), ``memfd_secret``, ``inotify_init*``, ``fanotify_init`` and module / kexec calls
+  fail with ``EPERM``, and so does ``clone`` with any ``CLONE_NEW*`` flag; ``clone3`` returns
   ``ENOSYS`` (glibc falls back to ``clone``); ``socket`` / ``socketpair`` accept only ``AF_UNIX``, ``AF_INET`` and
   ``AF_INET6`` (``EAFNOSUPPORT`` otherwise: no netlink, packet or vsock sockets), and under bubblewrap, whose
   network namespace has its loopback up, not ``AF_INET`` / ``AF_INET6`` either (no cgroup v1 charges TCP / UDP
@@ -38,6 +39,10 @@ DENIED_SYSCALLS = (
     "userfaultfd", "process_vm_readv", "process_vm_writev", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot",
     "acct", "quotactl", "name_to_handle_at", "open_by_handle_at", "lookup_dcookie", "personality",
+    # nothing MBPP needs, each a kernel object outside the sample's own memory: AIO contexts (pinned ring pages,
+    # counted host-wide in aio-max-nr), secret memory (unmapped from the kernel, no cgroup reclaims it), inotify /
+    # fanotify groups (per-uid instance limits shared by every sample running as nobody)
+    "io_setup", "io_submit", "memfd_secret", "inotify_init", "inotify_init1", "fanotify_init",
 )  # fmt: skip
 NOFORK_SYSCALLS = ("fork", "vfork", "memfd_create")
 # Without a cgroup only RLIMIT_AS bounds memory, and these hold memory outside the process's address space, in the

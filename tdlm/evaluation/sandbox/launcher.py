@@ -4,8 +4,8 @@ It runs as ``python -I -S -B -c LAUNCHER <hex of marshal(cfg)>`` (single-threade
 inherits no locks; ``marshal`` because importing ``json`` costs more than the rest of the launcher) and reports
 what it achieved as ``repr`` lines of dicts (read with ``ast.literal_eval``) on an inherited close-on-exec pipe
 (EOF without an ``exec_failed`` line means the final ``exec`` succeeded). ``ctypes`` is imported only by the
-in-house backend. Order: join the per-sample cgroups -> rlimits (``RLIMIT_MSGQUEUE`` 0 and a small
-``RLIMIT_SIGPENDING`` among them) -> then one of
+in-house backend. Order: join the per-sample cgroups -> rlimits (``RLIMIT_MSGQUEUE`` 0, ``RLIMIT_MEMLOCK`` 0 and
+a small ``RLIMIT_SIGPENDING`` among them) -> then one of
 
 - ``bwrap`` backend: unless a cgroup that charges kernel memory bounds the files, mount the sample's ``/tmp`` and
   ``/dev/shm`` as size- and inode-limited tmpfs in a private mount namespace (a user namespace of its own first
@@ -92,6 +92,7 @@ setlim(R.RLIMIT_CORE, 0)
 # kernel memory no address-space limit sees, counted per uid: POSIX message queues (none), and the queued signals
 # that POSIX timers hold (the default lets every uid keep ~100,000 of them, ~30 MiB)
 setlim(R.RLIMIT_MSGQUEUE, 0)
+setlim(R.RLIMIT_MEMLOCK, 0)  # no locked pages (mlock, SHM_LOCK): MBPP needs none, and they cannot be reclaimed
 setlim(R.RLIMIT_SIGPENDING, cfg["max_sigpending"])
 keep = cfg["keep_fds"]
 
