@@ -125,7 +125,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
 # -- quality ----------------------------------------------------------------------------------------------
 def ensure_adapter(args: argparse.Namespace, env: dict) -> str:
     """The demo task's trained adapter: --adapter, make demo's, or one trained here with the demo recipe."""
-    from tdlm.demo import BACKBONE, _run, ensure_toy_trajectories
+    from tdlm.demo import BACKBONE, ensure_toy_trajectories, run_stage
 
     for cand in (args.adapter, str(REPO / "runs" / "demo" / "train" / "adapter"),
                  str(Path(args.work_dir) / "train" / "adapter")):  # fmt: skip
@@ -137,7 +137,7 @@ def ensure_adapter(args: argparse.Namespace, env: dict) -> str:
     (work / "logs").mkdir(parents=True, exist_ok=True)
     ensure_toy_trajectories(args.trajectories, BACKBONE)
     deepspeed = str(Path(sys.executable).parent / "deepspeed")
-    _run([deepspeed, "--num_gpus", "2", "launcher/train.py", "--ds", "ds_configs/zero3.json", "--config",
+    run_stage([deepspeed, "--num_gpus", "2", "launcher/train.py", "--ds", "ds_configs/zero3.json", "--config",
           "configs/tiny.yaml", "--output-dir", str(work / "train"), "--max-steps", str(args.steps),
           f"data.trajectories={args.trajectories}", "train.save_every=0", f"wandb.group={work.name}"],
          work / "logs" / "train.log", env)  # fmt: skip
@@ -145,7 +145,7 @@ def ensure_adapter(args: argparse.Namespace, env: dict) -> str:
 
 
 def quality(args: argparse.Namespace) -> tuple[list[dict], str]:
-    from tdlm.demo import BACKBONE, DTYPE, GEN_LENGTH, _run
+    from tdlm.demo import BACKBONE, DTYPE, GEN_LENGTH, run_stage
 
     env = os.environ.copy()
     for k, v in {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "RAY_USAGE_STATS_ENABLED": "0",
@@ -158,7 +158,7 @@ def quality(args: argparse.Namespace) -> tuple[list[dict], str]:
     rows = []
     for block, n in zip(args.quality_block_sizes, problems, strict=True):
         ev = work / f"eval-b{block}-n{n}"
-        _run([sys.executable, "eval/run.py", "--backbone", BACKBONE, "--adapter", f"demo={adapter}", "--tasks",
+        run_stage([sys.executable, "eval/run.py", "--backbone", BACKBONE, "--adapter", f"demo={adapter}", "--tasks",
               "arith", "--limit", str(n), "--policies", "threshold", "tdlm", "--thresholds", "0.9",
               "--cache", *CACHES, "--dtype", DTYPE, "--gen-length", str(GEN_LENGTH), "--block-size", str(block),
               "--batch-size", "1", "--workers", "1", "--wandb-mode", "disabled", "--output-dir", str(ev),

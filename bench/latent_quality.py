@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from benchlib import machine, write_result  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
-from tdlm.demo import BACKBONE, DTYPE, GEN_LENGTH, _run, ensure_toy_trajectories  # noqa: E402
+from tdlm.demo import BACKBONE, DTYPE, GEN_LENGTH, ensure_toy_trajectories, run_stage  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "latent_quality.json"
 TARGET_POINTS = 1.0
@@ -66,7 +66,7 @@ def main() -> int:
     for label, history in histories.items():
         t = time.time()
         deepspeed = str(Path(py).parent / "deepspeed")
-        _run([deepspeed, "--num_gpus", "2", "launcher/train.py", "--ds", "ds_configs/zero3.json", "--config",
+        run_stage([deepspeed, "--num_gpus", "2", "launcher/train.py", "--ds", "ds_configs/zero3.json", "--config",
               "configs/tiny.yaml", "--output-dir", str(work / label), "--max-steps", str(args.steps),
               f"data.trajectories={args.trajectories}", f"model.history={history}", "train.save_every=0",
               f"wandb.group={work.name}"], work / "logs" / f"train_{label}.log", env)  # fmt: skip
@@ -75,7 +75,8 @@ def main() -> int:
 
     ev = work / "eval"
     taus = [str(t) for t in args.taus]
-    _run([py, "eval/run.py", "--backbone", BACKBONE, "--adapter", *(f"{k}={work / k / 'adapter'}" for k in histories),
+    adapters = [f"{k}={work / k / 'adapter'}" for k in histories]
+    run_stage([py, "eval/run.py", "--backbone", BACKBONE, "--adapter", *adapters,
           "--tasks", "arith", "--limit", str(args.problems), "--policies", "tdlm", "--tdlm-thresholds", *taus,
           "--dtype", DTYPE, "--gen-length", str(GEN_LENGTH), "--block-size", str(GEN_LENGTH), "--batch-size", "1",
           "--workers", "1",

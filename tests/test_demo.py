@@ -231,6 +231,8 @@ def test_demo_fast_resumes_after_an_interruption_at_every_stage(tmp_path):
                               capture_output=True, text=True, timeout=1500)
         assert proc.returncode == 130, f"{stage}: " + proc.stdout[-3000:] + proc.stderr[-3000:]
         assert f"stopping after the {stage} stage" in proc.stdout and outputs[stage].exists(), stage
+        for earlier in STAGES[: min(STAGES.index(stage), 3)]:  # a launched stage that finished is not launched again
+            assert f"{earlier}: reusing" in proc.stdout, (stage, earlier, proc.stdout[-3000:])
         later = STAGES[STAGES.index(stage) + 1:]
         assert not any(outputs[s].exists() for s in later if s != "report"), (stage, later)
     assert not (out / "report.json").exists()  # the last interruption came between report.md and report.json
@@ -238,6 +240,7 @@ def test_demo_fast_resumes_after_an_interruption_at_every_stage(tmp_path):
                           timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "diagnostic: reusing" in proc.stdout and "moved to" not in proc.stdout
+    assert all(f"{s}: reusing" in proc.stdout for s in ("generation", "training", "evaluation")), proc.stdout[-3000:]
     check_fast_demo_outputs(out)
     first = json.loads((out / "report.json").read_text())
     proc = subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base, capture_output=True, text=True,
@@ -251,6 +254,32 @@ def test_demo_fast_resumes_after_an_interruption_at_every_stage(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([sys.executable, "-m", "tdlm.demo"], cwd=REPO, env=base | {"TDLM_DEMO_INTERRUPT": "trainig"},
                        capture_output=True, text=True, timeout=600, check=True)
+
+
+def test_a_stage_is_reused_only_when_it_finished_with_the_same_command_inputs_and_outputs(tmp_path):
+    """The demo launches a stage again unless its stamp says it finished with the same command and the same bytes
+    of what it read, and its outputs are still there: each of those changed one at a time is a rerun."""
+    from tdlm.demo import stage_reusable
+    from tdlm.demo.plan import mark_finished, sha256_of
+
+    upstream, out, stamp = tmp_path / "manifest.json", tmp_path / "adapter.safetensors", tmp_path / "2_train.done.json"
+    upstream.write_text("shards: 4\n")
+    out.write_bytes(b"weights")
+
+    def key(cmd=("launcher/train.py", "--max-steps", "8")):
+        return {"command": list(cmd), "inputs": {str(upstream): sha256_of(upstream)}}
+
+    assert not stage_reusable(stamp, key(), [out])  # never finished
+    mark_finished(stamp, key())
+    assert stage_reusable(stamp, key(), [out]) and not list(tmp_path.glob("*.tmp-*"))
+    assert not stage_reusable(stamp, key(("launcher/train.py", "--max-steps", "9")), [out])  # another command
+    assert not stage_reusable(stamp, key(), [out, tmp_path / "summary.json"])  # an output missing
+    upstream.write_text("shards: 5\n")  # the stage before ran again and wrote other bytes
+    assert not stage_reusable(stamp, key(), [out])
+    mark_finished(stamp, key())
+    assert stage_reusable(stamp, key(), [out])
+    stamp.write_text('{"command": ')  # a stamp cut short (not written by mark_finished) is no stamp
+    assert not stage_reusable(stamp, key(), [out])
 
 
 def test_demo_help_explains_and_starts_nothing(tmp_path):
