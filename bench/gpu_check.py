@@ -2,7 +2,7 @@
 
 Commands (repository root; gpu_check.sh sets PYTHONPATH, installs the carried wheels and tees a log to $OUT)::
 
-    bash bench/gpu_check.sh                  # one H200: every stage, at most 7 minutes (420 s), JSON to $OUT
+    bash bench/gpu_check.sh                  # one H100/H200: every stage, at most 7 minutes (420 s), JSON to $OUT
     bash bench/gpu_check.sh --quick          # the subset below, at most 4 minutes (240 s)
     bash bench/gpu_check.sh --dry-run        # any CPU: every stage at toy size (the test suite runs it)
     python bench/gpu_check.py --deadline-s 300 --stage-deadline-s train=60,deepspeed=80 --setting-cap-s 120
@@ -27,7 +27,7 @@ stage       default   --quick   settings, in order (cheapest and most telling fi
 ==========  ========  ========  ==================================================================
 train       75 s      40 s      all, dispersed:16 (--quick: all)
 deepspeed   90 s      60 s      one ZeRO-3 run on one rank (its JSON after the plan and after each step)
-nfe         the rest  the rest  :func:`nfe_settings` (reduce-overhead vs compile=True: the default run only)
+nfe         the rest  the rest  :func:`nfe_settings` (reduce-overhead vs compiled-static: the default run only)
 (reserve)   10 s      10 s      the kill, predicted_vs_measured.json
 overall     420 s     240 s     7 / 4 minutes: the 15 device-minutes of a session leave room for a rerun
 ==========  ========  ========  ==================================================================
@@ -41,8 +41,9 @@ the least telling.
 the child that :func:`run_stage` starts as ``python bench/gpu_check_stages.py STAGE --items JSON --json PATH``.
 
 **Measured beside predicted** (``bench/gpu_check_compare.py``, ``<out>/predicted_vs_measured.json`` and the printed
-table): the GPU's name picks the prediction rows (``gpu_check_common.gpu_kind``, ``select_predictions``): an H200 is
-held to the H200 rows of ``bench/results/true_shape.json``, a GH200 to the GH200 rows only, any other GPU to nothing.
+table): the memory, planner and kernel-count predictions hold on any GPU; the GPU's name picks the time rows
+(``gpu_check_common.gpu_kind``, ``select_predictions``): an H200 is held to the H200 rows of
+``bench/results/true_shape.json``, a GH200 to the GH200 rows, an H100 SXM to the H100 rows, any other GPU to none.
 What the parent, the stage child and the comparison share (the stage JSONs' reader and writer, the stage order, the
 prediction rows) is in ``bench/gpu_check_common.py``, a leaf: neither this module nor the comparison imports the
 other back.
@@ -54,11 +55,13 @@ setting whose error poisons the process) and ``nan:STAGE`` (NaN in the backbone'
 
 **CUDA graphs** (``compile="reduce-overhead"``, :func:`compile_kw`): the default run times LLaDA's batch 1 and 8,
 uncached and dual, threshold and tdlm, under ``compile="reduce-overhead"`` with ``storage="static"`` (setting
-``<model>/b<batch>/<cache>/reduce-overhead``) beside the same settings under ``compile=True``
-(``.../compiled``), each after an untimed decode that compiles and records its graphs. bench/true_shape.py
-predicted them before any GPU run (``reduce_overhead`` in true_shape.json: the fused roofline, launches about 0,
-against the compile=True rows' launches at 5 µs each); the comparison prints each measured reduce-overhead ms/NFE
-beside its prediction and the measured reduce-overhead / compile=True ratio beside the predicted one.
+``<model>/b<batch>/<cache>/reduce-overhead``) beside the same settings under ``compile=True`` with
+``storage="static"`` (``.../compiled-static``) and with the default dynamic plan (``.../compiled``), each after an
+untimed decode that compiles and records its graphs. bench/true_shape.py predicted them before any GPU run
+(``reduce_overhead`` in true_shape.json: the fused roofline, launches about 0, against the compile=True rows'
+launches at 5 µs each); the comparison prints each measured reduce-overhead ms/NFE beside its prediction, the
+measured reduce-overhead / compiled-static ratio (CUDA graphs alone) beside the predicted one, and compiled-static /
+compiled (the static plan alone, predicted 1: modelled by the dynamic trace).
 
 ``--dry-run`` runs every stage at toy size on the CPU (compile with dynamo's eager backend; a reduce-overhead
 setting runs the static plan under that backend; its toy numbers are printed beside the H200 rows only to exercise
@@ -101,24 +104,29 @@ def nfe_settings(dry_run: bool = False, quick: bool = False) -> list[dict]:
     """The decode settings, most telling first. On the GPU: LLaDA's compiled uncached batch 1 (TDLM's overhead,
     kernels per NFE, host time per launch), the decode memory of a left-padded batch of 8 at the predicted shape
     (where the full history weighs most), batch 8 compiled, the dual cache compiled; then ``compile="reduce-overhead"``
-    (CUDA graphs, ``storage="static"``) beside those compile=True settings: batch 1 dual first (the shortest steps,
-    where launches weigh most), batch 8 dual compiled and reduce-overhead, then uncached batch 1 and 8; then eager
-    (compiled / eager ratios), Dream last. ``--quick``: the first four, no eager timing and no reduce-overhead (its
-    own compile and graph recording would not finish inside the quick run's nfe budget). A dry run: one compiled
-    setting (dynamo's eager backend; tests/test_compile.py traces every kind), two reduce-overhead ones (on a CPU the
-    static plan under dynamo's eager backend, as CUDA graphs need CUDA: uncached, held against the compiled one, and
-    dual, the static spatial KV cache), the memory setting, then every eager one."""
+    (CUDA graphs, ``storage="static"``), each right after ``compiled-static`` (compile=True on the same static plan,
+    the setting it is timed against: ``gpu_check_common.RATIOS``): batch 1 dual first (the shortest steps, where
+    launches weigh most), batch 8 dual compiled, compiled-static and reduce-overhead, then uncached batch 1 and 8;
+    then eager (compiled / eager ratios), Dream last. ``--quick``: the first four, no eager timing and no
+    reduce-overhead (its own compile and graph recording would not finish inside the quick run's nfe budget). A dry
+    run: one compiled setting (dynamo's eager backend; tests/test_compile.py traces every kind), its compiled-static
+    twin, two reduce-overhead ones (on a CPU the static plan under dynamo's eager backend, as CUDA graphs need CUDA:
+    uncached, held against the compiled-static one, and dual, the static spatial KV cache), the memory setting, then
+    every eager one."""
     S = _setting
     if dry_run:
         eager = [S(m, b, c, "eager") for b in (1, 8) for m in ("llada-8b", "dream-7b") for c in ("none", "dual")]
-        return [S("llada-8b", 1, "none", "compiled"), S("llada-8b", 1, "none", "reduce-overhead"),
-                S("llada-8b", 1, "dual", "reduce-overhead"), S("llada-8b", 8, "none", "eager", 32), *eager]  # fmt: skip
+        return [S("llada-8b", 1, "none", "compiled"), S("llada-8b", 1, "none", "compiled-static"),
+                S("llada-8b", 1, "none", "reduce-overhead"), S("llada-8b", 1, "dual", "reduce-overhead"),
+                S("llada-8b", 8, "none", "eager", 32), *eager]  # fmt: skip
     first = [S("llada-8b", 1, "none", "compiled"), S("llada-8b", 8, "none", "eager", 256),
              S("llada-8b", 8, "none", "compiled"), S("llada-8b", 1, "dual", "compiled")]
     if quick:
         return first
-    graphs = [S("llada-8b", 1, "dual", "reduce-overhead"), S("llada-8b", 8, "dual", "compiled"),
-              S("llada-8b", 8, "dual", "reduce-overhead"), S("llada-8b", 1, "none", "reduce-overhead"),
+    graphs = [S("llada-8b", 1, "dual", "compiled-static"), S("llada-8b", 1, "dual", "reduce-overhead"),
+              S("llada-8b", 8, "dual", "compiled"), S("llada-8b", 8, "dual", "compiled-static"),
+              S("llada-8b", 8, "dual", "reduce-overhead"), S("llada-8b", 1, "none", "compiled-static"),
+              S("llada-8b", 1, "none", "reduce-overhead"), S("llada-8b", 8, "none", "compiled-static"),
               S("llada-8b", 8, "none", "reduce-overhead")]  # fmt: skip
     return first + graphs + [S("llada-8b", 1, "none", "eager", 256),
                              S("llada-8b", 1, "none", "eager"), S("llada-8b", 1, "dual", "eager"),
@@ -131,11 +139,14 @@ def nfe_settings(dry_run: bool = False, quick: bool = False) -> list[dict]:
 
 def compile_kw(mode: str, dry_run: bool) -> dict:
     """``tdlm.decode`` keywords of a setting's mode: ``compiled`` is ``compile=True`` (dynamo's eager backend in a
-    dry run); ``reduce-overhead`` is ``compile="reduce-overhead"`` with ``storage="static"`` (CUDA graphs keep the
-    spatial KV cache only at fixed addresses: DecodeConfig refuses the dynamic plan), in a dry run the same static
-    plan under dynamo's eager backend (CUDA graphs need CUDA); ``eager`` compiles nothing."""
+    dry run); ``compiled-static`` the same with ``storage="static"`` (what reduce-overhead is timed against: the
+    same plan, no CUDA graphs); ``reduce-overhead`` is ``compile="reduce-overhead"`` with ``storage="static"`` (CUDA
+    graphs keep the spatial KV cache only at fixed addresses: DecodeConfig refuses the dynamic plan), in a dry run
+    the same static plan under dynamo's eager backend (CUDA graphs need CUDA); ``eager`` compiles nothing."""
     if mode == "reduce-overhead":
         return {"compile": "eager" if dry_run else "reduce-overhead", "storage": "static"}
+    if mode == "compiled-static":
+        return {"compile": "eager" if dry_run else True, "storage": "static"}
     if mode == "compiled":
         return {"compile": "eager" if dry_run else True}
     return {"compile": False}

@@ -2,7 +2,7 @@
 # The GPU check, prepared once and run whenever a GPU is lent (stages, order, budgets: bench/gpu_check.py's docstring).
 #
 #   bash bench/gpu_check.sh --fetch                  # here, on the CPU machine: DeepSpeed + its missing deps as
-#                                                    #   x86_64 wheels in .whl/ (the lent H200 machine is x86_64)
+#                                                    #   x86_64 wheels in .whl/ (the lent H100/H200 is x86_64)
 #   bash bench/gpu_check.sh --fetch --arch aarch64   # the same for a GH200 (aarch64); --print: the commands only
 #   bash bench/gpu_check.sh                          # on the GPU machine (repository root): every stage, at most
 #                                                    #   7 minutes, JSON to $OUT after every setting
@@ -16,7 +16,8 @@
 # from this script's start, the wheel install included; each stage runs in a child process that is killed at its
 # deadline, and every finished setting is already in its JSON. With $OUT set, the whole output is also in
 # $OUT/gpu_check.log. At the end every measured number is printed beside its prediction for this GPU from
-# bench/results/true_shape.json (H200 rows on an H200, GH200 rows on a GH200, none on any other GPU).
+# bench/results/true_shape.json (the time rows of an H200, GH200 or H100 SXM on that GPU, none on any other; the
+# memory, planner and kernel-count rows on every GPU).
 set -uo pipefail
 export GPU_CHECK_T0="$(date +%s.%N)"  # the deadline counts from here (gpu_check.py --deadline-s)
 cd "$(dirname "$0")/.."

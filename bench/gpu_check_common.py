@@ -24,6 +24,13 @@ HOST_US_PER_LAUNCH_IS = (
     "both, so both are upper bounds of the unprofiled cost")
 
 
+# Each decode mode timed against another of the same (model, batch, cache), one factor apart: reduce-overhead
+# (CUDA graphs, storage="static") against compile=True on the same static plan, so the ratio is the CUDA graphs'
+# alone; compile=True static against compile=True dynamic, the storage plan's alone. (reduce-overhead against the
+# dynamic compile=True would mix the two.) The stage child's summary and the comparison both pair by this.
+RATIOS = (("reduce-overhead", "compiled-static"), ("compiled-static", "compiled"))
+
+
 # -- the stage JSONs: the parent, the child and the comparison read and write them ----------------------------
 def write_json(path: Path, obj: dict) -> None:
     """Atomic: a reader (or a kill) sees the old file or the new one, never half of one."""
@@ -40,36 +47,58 @@ def read_json(path: Path) -> dict:
 
 
 # -- GPU identity: which prediction rows apply ----------------------------------------------------------------
+# The GPUs bench/true_shape.py computes time predictions for (its GPUS; true_shape.json's "gpus" names the same).
+GPU_KINDS = ("h200", "gh200", "h100")
+
+
 def gpu_kind(name: str | None) -> str | None:
-    """"h200" or "gh200" (the rows of bench/true_shape.py's GPUS), or None: a GPU the predictions do not model.
-    A GH200's name contains "H200" too, so it is tested first; an H200 NVL runs at a lower power limit than the
-    SXM part the H200 rows assume (989 TFLOP/s, 4.8 TB/s)."""
+    """"h200", "gh200" or "h100" (the rows of bench/true_shape.py's GPUS), or None: a GPU whose time the
+    predictions do not model. A GH200's name contains "H200" too, so it is tested first. An H200 NVL runs at a
+    lower power limit than the SXM part the H200 rows assume (989 TFLOP/s, 4.8 TB/s); an H100 PCIe (756 TFLOP/s,
+    2.0 TB/s) and an H100 NVL (3.9 TB/s, 94 GB) are not the SXM part the H100 rows assume (989 TFLOP/s, 3.35 TB/s,
+    80 GB, reported as "NVIDIA H100 80GB HBM3")."""
     n = (name or "").upper()
     if "GH200" in n:
         return "gh200"
     if "H200" in n and "NVL" not in n:
         return "h200"
+    if "H100" in n and "NVL" not in n and "PCIE" not in n:
+        return "h100"
     return None
 
 
-def _for_gpu(value, kind: str):
-    """A prediction value kept per GPU ({"h200": ..., "gh200": ...}) -> this GPU's; any other value as it is."""
-    if isinstance(value, dict) and ({"h200", "gh200"} & set(value)):
-        return value.get(kind)
+def _for_gpu(value, kind: str | None):
+    """A prediction value kept per GPU ({"h200": ..., "h100": ...}) -> this GPU's (None for an unknown GPU); any
+    other value as it is."""
+    if isinstance(value, dict) and (set(GPU_KINDS) & set(value)):
+        return value.get(kind) if kind else None
     return value
 
 
 def select_predictions(pred: dict, kind: str | None) -> dict:
     """The prediction rows that hold for a GPU of ``kind`` (None: none do), from true_shape.json:
 
+    GPU-independent, given for every GPU (an unknown one included: a memory peak, a kernel count or the planner's
+    figure does not depend on which GPU runs it):
+
+    * ``decode_memory``: bytes of a decode, keyed (model, policy, history, cache, batch);
+    * ``kernels``: kernels per NFE of the compiled graphs (bench/dispatch_count.py), per model;
+    * ``launch_us``: the stated host cost of one launch (the host's, not the GPU's).
+
+    The time rows, only for a GPU of ``kind`` (None, an unknown GPU: none):
+
     * ``gpu_check``: ms per NFE of the nfe stage's settings, keyed (model, batch, cache); a row's GPU is its own
-      ``gpu`` field, else its section's (today the section is "h200");
+      ``gpu`` field, else its section's;
     * ``per_nfe``: ``nfe.<model>.per_nfe_ms`` (prompt 256 + 256, batch 1), keyed (model, label, cache) -> the
       {graphs, launch, overlap, eager} of this GPU;
-    * ``decode_memory``, ``kernels``, ``launch_us``: device-independent counts and the stated launch cost, given
-      only for a known GPU (an unknown one is compared with nothing)."""
-    out: dict = {"kind": kind, "gpu_check": {}, "per_nfe": {}, "decode_memory": {}, "kernels": {}, "launch_us": None,
-                 "launch_us_at_target": {}}  # fmt: skip
+    * ``launch_us_at_target``: the launch cost each target holds up to on this GPU (a roofline time)."""
+    out: dict = {"kind": kind, "gpu_check": {}, "per_nfe": {}, "decode_memory": {}, "kernels": {},
+                 "launch_us": pred.get("launch_us"), "launch_us_at_target": {}}  # fmt: skip
+    for model, n in (pred.get("nfe") or {}).items():
+        out["kernels"][model] = n.get("compiled_kernels") or {}
+    for model, m in (pred.get("decode_memory") or {}).items():
+        for r in m.get("rows", []):
+            out["decode_memory"][(model, r["policy"], r.get("history"), r["cache"], r["batch"])] = r
     if kind is None:
         return out
     sec = pred.get("gpu_check") or {}
@@ -81,10 +110,7 @@ def select_predictions(pred: dict, kind: str | None) -> dict:
             label, cache = key.split("|")
             if _for_gpu(v, kind) is not None:
                 out["per_nfe"][(model, label, cache)] = _for_gpu(v, kind)
-        out["kernels"][model] = n.get("compiled_kernels") or {}
-        out["launch_us_at_target"][model] = n.get("launch_us_at_target") or {}
-    for model, m in (pred.get("decode_memory") or {}).items():
-        for r in m.get("rows", []):
-            out["decode_memory"][(model, r["policy"], r.get("history"), r["cache"], r["batch"])] = r
-    out["launch_us"] = pred.get("launch_us")
+        # per GPU where the file has it; an older file's single table was computed for the H200
+        by_gpu = n.get("launch_us_at_target_by_gpu") or {"h200": n.get("launch_us_at_target") or {}}
+        out["launch_us_at_target"][model] = by_gpu.get(kind) or {}
     return out

@@ -7,8 +7,11 @@ picks the prediction rows of ``bench/results/true_shape.json`` that hold for the
 
 A ``reduce-overhead`` setting (``compile="reduce-overhead"``, ``storage="static"``) is held to the ``reduce-overhead``
 prediction of its (model, batch, cache) row (true_shape.json's ``reduce_overhead`` section: the fused roofline,
-launches about 0), and its ms/NFE over the same setting's compile=True one (``.../compiled``) to the predicted ratio
-(``reduce-overhead/compiled`` rows: with the launches added, and issued asynchronously as ``overlapped``).
+launches about 0), and its ms/NFE over the same setting's compile=True one on the same static plan
+(``.../compiled-static``) to the predicted ratio (``reduce-overhead/compiled-static`` rows: with the launches added,
+and issued asynchronously as ``overlapped``): one factor apart, CUDA graphs alone. The storage plan's own cost is its
+own ratio, ``compiled-static/compiled`` (compile=True, static over dynamic). Both pairings:
+``gpu_check_common.RATIOS``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import json
 from pathlib import Path
 
 from gpu_check_common import (
+    GPU_KINDS,
     HOST_US_PER_LAUNCH_IS,
     PREDICTION,
+    RATIOS,
     STAGE_ORDER,
     gpu_kind,
     read_json,
@@ -40,6 +45,25 @@ def _loop_kernels(kernels: dict, policy: str, cache: str, batch: int, block: int
     return (counts["eval"] + (block - 1) * counts["window"]) / block
 
 
+def cuda_graph_proof(row: dict, policy: str) -> str | None:
+    """Why a reduce-overhead setting's ``policy`` number is not a CUDA-graph number, or None when it is: inductor
+    skipped none of its graphs (``<policy>_cudagraph_skips`` 0: a skipped graph runs without CUDA graphs, silently
+    but for a log line) and its profile saw CUDA graphs replayed (``cudaGraphLaunch`` calls). Neither recorded is
+    not a proof either."""
+    skips = row.get(f"{policy}_cudagraph_skips")
+    graphs = (row.get(f"{policy}_launches") or {}).get("graph_launches")
+    why = []
+    if skips is None:
+        why.append("cudagraph_skips not recorded")
+    elif skips > 0:
+        why.append(f"inductor skipped CUDA graphs {skips} times (cudagraph_skips)")
+    if graphs is None:
+        why.append("no profile of its graph launches")
+    elif graphs == 0:
+        why.append("no cudaGraphLaunch in its profile")
+    return "; ".join(why) or None
+
+
 def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) -> dict:
     """Each measured number (this run's stage JSONs in ``out``) beside its prediction for this GPU; printed,
     written to ``<out>/predicted_vs_measured.json`` and returned."""
@@ -51,29 +75,31 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
     pred = json.loads(prediction.read_text())
     name = next((d["machine"].get("name") for d in docs.values() if d.get("machine", {}).get("name")), None)
     kind = "h200" if dry_run else gpu_kind(name)  # a dry run holds its toy numbers to the H200 rows: code path only
+    # memory, planner and kernel counts hold on any GPU; only the time rows need a GPU true_shape models
     sel = select_predictions(pred, kind)
     gpu_says = (f"{name or 'no GPU'}: " + (f"the {kind.upper()} rows" if kind else
-                "neither an H200 nor a GH200, so no prediction applies") + (" (dry run)" if dry_run else ""))
+                f"not a GPU the time predictions model ({', '.join(k.upper() for k in GPU_KINDS)}): only the "
+                "GPU-independent rows (memory, planner, kernel counts)") + (" (dry run)" if dry_run else ""))
     rows: list[dict] = []
     traced = {r["layers"]: r for r in pred.get("train", []) if r["model"] == "llada-8b" and "traced_peak" in r}
     for m in docs["train"].get("rows", []):
-        t = traced.get(m.get("layers")) if kind else None
+        t = traced.get(m.get("layers"))
         want = t["traced_peak"]["Total"] + 4 * t["temporal_params"] if t else None  # + bf16 AdamW m, v
         rows.append({"what": f"train peak, llada-8b {m.get('layers', m['item'])}, one process", "unit": "GiB",
                      "measured": m["measured"] / 2**30 if m.get("measured") else None,
                      "predicted": want / 2**30 if want else None,
-                     "planner": m["predicted"] / 2**30 if kind and m.get("predicted") else None})  # fmt: skip
+                     "planner": m["predicted"] / 2**30 if m.get("predicted") else None})  # fmt: skip
     for m in docs["deepspeed"].get("rows", []):
         planner = (m.get("planner") or {}).get("total")
         rows.append({"what": f"DeepSpeed peak, {m.get('layers')}, ZeRO-3 one rank", "unit": "GiB",
                      "measured": m["max_allocated"] / 2**30 if m.get("max_allocated") else None,
-                     "predicted": planner / 2**30 if kind and planner else None,
+                     "predicted": planner / 2**30 if planner else None,
                      "source": "plan(zero=3, world_size=1), ds_configs/zero3.json knobs"})  # fmt: skip
     block = docs["nfe"].get("block_size", 32)
-    # the compile=True setting each reduce-overhead one is held against (same model, batch and cache)
-    speed = [m for m in docs["nfe"].get("rows", []) if m.get("mode") == "compiled" and m.get("purpose") == "speed"]
-    compiled_rows = {(m["model"], m["batch"], m["cache"]): m for m in speed}
-    compiled_items = {k: m["item"] for k, m in compiled_rows.items()}
+    # the setting each mode of RATIOS is held against: same model, batch and cache, the paired mode
+    by_mode = {(m["mode"], m["model"], m["batch"], m["cache"]): m for m in docs["nfe"].get("rows", [])
+               if m.get("purpose") == "speed" and "mode" in m}  # fmt: skip
+    pair_of = dict(RATIOS)
     for m in docs["nfe"].get("rows", []):
         if "mode" not in m:
             continue
@@ -96,23 +122,30 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                                  "source": "true_shape.json nfe per_nfe_ms (eager bound)"})  # fmt: skip
                 continue
             pm = p[f"{policy}_ms_per_nfe"] if p else {}
-            compiled = m["mode"] == "compiled"
+            compiled = m["mode"] in ("compiled", "compiled-static")  # compile=True, either storage plan
+            # a reduce-overhead number is a CUDA-graph number only when proven (no skip, graphs replayed)
+            mark = ({"not_cuda_graphs": cuda_graph_proof(m, policy)} if m["mode"] == "reduce-overhead" else {})
             rows.append({"what": f"ms/NFE {model} b{m['batch']} {m['cache']} {m['mode']} {policy}", "unit": "ms",
                          "measured": m.get(f"{policy}_ms_per_nfe"), "predicted": pm.get(m["mode"]),
                          # compiled: the launches added (above) or issued asynchronously (here), and none
                          "predicted_overlapped": pm.get("compiled_overlapped") if compiled else None,
-                         "predicted_cuda_graphs": pm.get("cuda_graphs") if compiled else None})  # fmt: skip
-            if m["mode"] == "reduce-overhead":  # CUDA graphs beside compile=True: the launch term, measured
-                base = compiled_rows.get(key, {}).get(f"{policy}_ms_per_nfe")
-                ro = m.get(f"{policy}_ms_per_nfe")
-                ro_p = pm.get("reduce-overhead")
-                want = ro_p / pm["compiled"] if ro_p and pm.get("compiled") else None
-                ovl = ro_p / pm["compiled_overlapped"] if ro_p and pm.get("compiled_overlapped") else None
-                rows.append({"what": f"reduce-overhead/compiled {model} b{m['batch']} {m['cache']} {policy}",
-                             "unit": "", "measured": ro / base if ro and base else None, "predicted": want,
-                             "predicted_overlapped": ovl, "pairs": [m["item"], compiled_items.get(key)],
-                             "source": "true_shape.json reduce_overhead (roofline / + launches)"})  # fmt: skip
-            prof = m.get(f"{policy}_launches") or {}
+                         "predicted_cuda_graphs": pm.get("cuda_graphs") if compiled else None, **mark})  # fmt: skip
+            if m["mode"] in pair_of:  # one factor apart (RATIOS): CUDA graphs alone, or the storage plan alone
+                over = pair_of[m["mode"]]
+                base_row = by_mode.get((over, *key), {})
+                base, mine = base_row.get(f"{policy}_ms_per_nfe"), m.get(f"{policy}_ms_per_nfe")
+                mine_p, base_p = pm.get(m["mode"]), pm.get(over)
+                ro = m["mode"] == "reduce-overhead"
+                ovl = mine_p / pm["compiled_overlapped"] if ro and mine_p and pm.get("compiled_overlapped") else None
+                rows.append({"what": f"{m['mode']}/{over} {model} b{m['batch']} {m['cache']} {policy}", "unit": "",
+                             "measured": mine / base if mine and base else None,
+                             "predicted": mine_p / base_p if mine_p and base_p else None,
+                             "predicted_overlapped": ovl, "pairs": [m["item"], base_row.get("item")],
+                             "source": "true_shape.json reduce_overhead (roofline / + launches)" if ro else
+                             "true_shape.json gpu_check (the static plan modelled by the dynamic trace)",
+                             **mark})  # fmt: skip
+            # the compile=True launch profile's rows; a reduce-overhead profile only proves its graph launches
+            prof = (m.get(f"{policy}_launches") or {}) if m["mode"] == "compiled" else {}
             if prof.get("kernels_per_nfe_compiled") is not None:
                 rows.append({"what": f"kernels/NFE in compiled region {model} b1 {m['cache']} {policy}", "unit": "",
                              "measured": prof["kernels_per_nfe_compiled"],
@@ -141,7 +174,9 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
             ("predicted_overlapped", "overlapped"), ("predicted_cuda_graphs", "CUDA graphs"), ("planner", "planner"),
             ("holds_up_to_overlapped", "target holds to")) if r.get(k) is not None)  # fmt: skip
         print(f"  {r['what']:52s} measured {fmt(r['measured'])} {r['unit']:3s} predicted {fmt(r['predicted'])}"
-              + ("" if r["ratio"] is None else f"  ratio {r['ratio']:.2f}") + more, flush=True)  # fmt: skip
+              + ("" if r["ratio"] is None else f"  ratio {r['ratio']:.2f}") + more
+              + (f"  NOT a CUDA-graph number ({r['not_cuda_graphs']})" if r.get("not_cuda_graphs") else ""),
+              flush=True)  # fmt: skip
     for s, c in checks.items():
         cut = ", ".join(f"{k} ({v})" for k, v in c["items"].items() if v != "ok")
         print(f"  stage {s:10s} {c['status']:8s}" + (f" loss finite: {c['loss_finite']}" if "loss_finite" in c else "")

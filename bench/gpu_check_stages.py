@@ -16,15 +16,21 @@ Exit status 3 after a CUDA error: it poisons this process, so the parent goes on
 * ``deepspeed``: ``deepspeed.initialize`` with ``ds_configs/zero3.json`` on one rank (NCCL), TDLM at dispersed:16,
   3 steps at the train stage's shape. Peak memory after ``torch.cuda.reset_peak_memory_stats`` (at the stage's
   start and again after the warm-up step), next to ``plan(zero=3, world_size=1)`` with the DS JSON's knobs; every
-  loss finite. Skipped when DeepSpeed is not importable (its wheels travel in ``.whl/``, see gpu_check.sh).
+  loss finite. DeepSpeed is imported first, before any backbone is built (:func:`deepspeed_preflight`); the stage
+  is skipped when that import fails in any way (its wheels travel in ``.whl/``, see gpu_check.sh).
 * ``nfe``: ``tdlm.decode`` as users run it, LLaDA-8B and Dream-7B shape (random bf16 weights), prompt 256 + 64 in
   blocks of 32, batch 1 and a left-padded batch of 8, cache none / dual, compiled (``compile=True``) and eager,
   threshold vs tdlm (half the layers, dispersed, live adapter): ms per NFE and TDLM / backbone; and
   ``compile="reduce-overhead"`` with ``storage="static"`` (CUDA graphs; ``gpu_check.compile_kw``) at batch 1 and 8,
-  none / dual, beside compile=True (``reduce_overhead_over_compiled``). Each setting decodes once untimed (compiles;
+  none / dual, beside compile=True on the same static plan (``compiled-static``;
+  ``reduce_overhead_over_compiled_static``), which is beside compile=True dynamic
+  (``compiled_static_over_compiled``). Each setting decodes once untimed (compiles;
   reduce-overhead also records its CUDA graphs at the static plan's addresses) and once timed (replays). Batch-1
-  ``compile=True`` settings decode once more under ``torch.profiler`` (:func:`launch_profile`): kernels per NFE
-  launched inside the compiled region only, and the host time per launch (:func:`region_counts`). ``/gen256``
+  ``compile=True`` settings and every reduce-overhead one decode once more under ``torch.profiler``
+  (:func:`launch_profile`): kernels per NFE launched inside the compiled region only, the host time per launch and
+  the ``cudaGraphLaunch`` calls (:func:`region_counts`). Every setting records inductor's ``cudagraph_skips``
+  counter over its decodes (``<policy>_cudagraph_skips``): a reduce-overhead setting with a skip, or without a graph
+  launch, is not a CUDA-graph number (the comparison marks it). ``/gen256``
   settings decode a 256-token response once per policy for the decode memory at true_shape.json's
   ``decode_memory`` shape (max allocated after a peak reset).
 """
@@ -47,7 +53,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from gpu_check import HOOKS_ENV, compile_kw, hook, nfe_settings
-from gpu_check_common import HOST_US_PER_LAUNCH_IS, ROOT, gpu_kind, read_json, write_json
+from gpu_check_common import HOST_US_PER_LAUNCH_IS, RATIOS, ROOT, gpu_kind, read_json, write_json
 
 ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)
 
@@ -64,6 +70,13 @@ def child_main(stage: str, items: list[str], path: Path, dry_run: bool) -> int:
         write_json(path, doc)
 
     try:
+        # what a stage needs imported before anything is built: a stage that cannot import it is skipped at once,
+        # before the backbone's build (seconds, and GB of GPU memory) and not after
+        skip = PREFLIGHT[stage]() if stage in PREFLIGHT else None
+        if skip:
+            doc.update(status="skipped", reason=skip)
+            write()
+            return 0
         ctx = build_context(stage, dry_run)
         doc["machine"] = ctx.info
         setup = STAGES[stage][0](ctx)
@@ -210,11 +223,22 @@ def train_item(ctx, spec: str, partial) -> dict:
 
 
 # -- deepspeed ----------------------------------------------------------------------------------------------
-def deepspeed_setup(ctx) -> dict:
+def deepspeed_preflight() -> str | None:
+    """Import DeepSpeed before the stage builds anything; why the stage is skipped, or None. Any failure skips it:
+    not only an ImportError (no wheels carried) but whatever its import chain raises on this image, e.g. a SystemError
+    from a pydantic / pydantic-core version mismatch, an AttributeError from a torch it does not know. DeepSpeed's
+    import is the environment's, not the code's under test: "failed" stays for the step itself."""
     try:
-        import deepspeed
-    except ImportError as e:
-        return {"status": "skipped", "reason": f"DeepSpeed not importable ({e}); carry .whl (gpu_check.sh --fetch)"}
+        import deepspeed  # noqa: F401  (imported for the stage: deepspeed_setup and deepspeed_item use it)
+    except Exception as e:
+        return (f"DeepSpeed not importable ({type(e).__name__}: {str(e)[:300]}); carry .whl "
+                "(gpu_check.sh --fetch)")  # fmt: skip
+    return None
+
+
+def deepspeed_setup(ctx) -> dict:
+    import deepspeed  # imported already by deepspeed_preflight, before the backbone was built
+
     return {"deepspeed": deepspeed.__version__, "zero_stage": 3, "world_size": 1}
 
 
@@ -296,8 +320,9 @@ def _shape(ctx, setting: dict) -> tuple[int, int, int]:
 def nfe_setup(ctx) -> dict:
     P, G, bs = _shape(ctx, {})
     return {"prompt_len": P, "gen_length": G, "block_size": bs, "threshold": 0.9, "dtype": ctx.dtype_name,
-            "compile": "eager" if ctx.dry_run else True, "compile_by_mode": {m: compile_kw(m, ctx.dry_run) for m in
-                                                                             ("compiled", "reduce-overhead", "eager")},
+            "compile": "eager" if ctx.dry_run else True,
+            "compile_by_mode": {m: compile_kw(m, ctx.dry_run) for m in
+                                ("compiled", "compiled-static", "reduce-overhead", "eager")},
             "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
             "settings": {s["name"]: s for s in nfe_settings(ctx.dry_run)}}  # fmt: skip
 
@@ -361,7 +386,9 @@ def nfe_item(ctx, name: str, partial) -> dict:
     g = torch.Generator(device="cpu").manual_seed(1000 * s["batch"] + P)  # the same prompts after a restart
     rows = torch.randint(3, min(bb.vocab_size, 1000), (s["batch"], P), generator=g).tolist()
     req = [r[: P - (i * P) // (2 * s["batch"])] for i, r in enumerate(rows)]  # left-padded when batch > 1
-    compiled = s["mode"] == "compiled"
+    # profiled after the timed decode: compile=True at batch 1 (kernels per NFE, host time per launch) and every
+    # reduce-overhead setting (its cudaGraphLaunch events: the proof that CUDA graphs were replayed at all)
+    profiled = (s["mode"] == "compiled" and s["batch"] == 1) or s["mode"] == "reduce-overhead"
     how = compile_kw(s["mode"], ctx.dry_run)  # reduce-overhead: CUDA graphs + the static plan (gpu_check.compile_kw)
     row: dict = {k: s[k] for k in ("model", "batch", "cache", "mode", "purpose")} | {"gen_length": G} | how
     for policy in ("threshold", "tdlm"):
@@ -370,6 +397,7 @@ def nfe_item(ctx, name: str, partial) -> dict:
         h = hook("sleep", "nfe", f"{name}@{policy}")  # test hook: a policy that hangs after the other finished
         if h:
             time.sleep(h[3])
+        skips_before = cudagraph_skips()
         try:
             if s["purpose"] == "memory":  # one decode: its peak after a reset, the model's own bytes counted once
                 sync(ctx.device)
@@ -398,12 +426,15 @@ def nfe_item(ctx, name: str, partial) -> dict:
             evals = max(r.nfe for r in res)
             row[f"{policy}_ms_per_nfe"] = 1000 * sec / evals
             row[f"{policy}_nfe"] = [r.nfe for r in res]
-            # after the timed decode: the profiler slows what it watches. compile=True only: under CUDA graphs the
-            # kernels are replayed, not launched, and the reduce-overhead rows are held to their ms/NFE.
-            if compiled and s["batch"] == 1:
+            # after the timed decode: the profiler slows what it watches. Under CUDA graphs the kernels are replayed,
+            # not launched: a reduce-overhead profile counts graph launches, and its rows are held to their ms/NFE.
+            if profiled:
                 row[f"{policy}_launches"] = launch_profile(target, req, kw, ctx.device)
         except Exception as e:  # the other policy still runs
             row[f"{policy}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        # inductor counts each graph it would not put under CUDA graphs (a mutated input, a CPU tensor, dynamic
+        # shapes...) and runs it without them: a reduce-overhead number with skips is not a CUDA-graph number
+        row[f"{policy}_cudagraph_skips"] = cudagraph_skips() - skips_before
         partial(row)
     if "threshold_ms_per_nfe" in row and "tdlm_ms_per_nfe" in row:
         row["tdlm_over_backbone"] = row["tdlm_ms_per_nfe"] / row["threshold_ms_per_nfe"]
@@ -415,8 +446,17 @@ def nfe_item(ctx, name: str, partial) -> dict:
     return row
 
 
+def cudagraph_skips() -> int:
+    """Inductor's running count of graphs it compiled for CUDA graphs but ran without them (``cudagraph_skips``;
+    each skip also logs its reason): a process-wide counter, so a setting records its own increase."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def nfe_summary(doc: dict) -> None:
-    """Compiled / eager and reduce-overhead / compiled of the same model, batch and cache, wherever both have run."""
+    """Compiled / eager, and each ratio of ``gpu_check_common.RATIOS`` (reduce-overhead / compiled-static,
+    compiled-static / compiled), of the same model, batch and cache, wherever both have run."""
     rows = [r for r in doc["rows"] if r.get("purpose") == "speed"]
 
     def same(r: dict, mode: str) -> dict | None:
@@ -424,8 +464,8 @@ def nfe_summary(doc: dict) -> None:
                      (r["model"], r["batch"], r["cache"])), None)  # fmt: skip
 
     for r in rows:
-        for mode, over, key in (("compiled", "eager", "compiled_over_eager"),
-                                ("reduce-overhead", "compiled", "reduce_overhead_over_compiled")):  # fmt: skip
+        for mode, over in (("compiled", "eager"), *RATIOS):
+            key = f"{mode}_over_{over}".replace("-", "_")  # e.g. reduce_overhead_over_compiled_static
             base = same(r, over) if r.get("mode") == mode else None
             for policy in ("threshold", "tdlm"):
                 if base and f"{policy}_ms_per_nfe" in r and f"{policy}_ms_per_nfe" in base:
@@ -435,14 +475,16 @@ def nfe_summary(doc: dict) -> None:
 # -- the launch profile: kernels of the compiled region, host time per launch ----------------------------------
 REGION_PREFIX = "Torch-Compiled Region"  # torch._dynamo's record_function around every call of a compiled frame
 LAUNCH_PREFIXES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel")  # runtime + driver API
+GRAPH_LAUNCH_PREFIXES = ("cudaGraphLaunch", "cuGraphLaunch")  # a CUDA graph replayed (runtime + driver API)
 COPY_PREFIXES = ("cudaMemcpy", "cudaMemset", "cuMemcpy", "cuMemset")
 
 def region_counts(events: list[tuple], evals: int) -> dict:
     """Per NFE, from profiler events ``(name, start_ns, duration_ns, on_device, correlation_id)``: the kernels
     launched inside the compiled regions only (host launch calls that start within a ``Torch-Compiled Region``;
     cross-checked by device kernels whose CUPTI correlation id matches one of them), the launches outside them (the
-    decode loop's own eager kernels), and the host time per launch (``HOST_US_PER_LAUNCH_IS``). Without device
-    events (a CPU) the aten operators inside the regions stand in for launches."""
+    decode loop's own eager kernels), the host time per launch (``HOST_US_PER_LAUNCH_IS``), and the CUDA graphs
+    replayed (``cudaGraphLaunch`` calls, anywhere: a reduce-overhead setting without one recorded no graph).
+    Without device events (a CPU) the aten operators inside the regions stand in for launches."""
     host = [e for e in events if not e[3]]
     merged: list[list[int]] = []
     for s, end in sorted((e[1], e[1] + e[2]) for e in host if e[0].startswith(REGION_PREFIX)):
@@ -457,8 +499,10 @@ def region_counts(events: list[tuple], evals: int) -> dict:
         return i >= 0 and t < merged[i][1]
 
     region_ns = sum(end - s for s, end in merged)
+    graphs = sum(e[0].startswith(GRAPH_LAUNCH_PREFIXES) for e in host)  # anywhere: a replay is one host call
     out: dict = {"nfe": evals, "regions_per_nfe": len(merged) / evals,
-                 "region_host_ms_per_nfe": region_ns / 1e6 / evals}  # fmt: skip
+                 "region_host_ms_per_nfe": region_ns / 1e6 / evals,
+                 "graph_launches": graphs, "graph_launches_per_nfe": graphs / evals}  # fmt: skip
     launches = [e for e in host if e[0].startswith(LAUNCH_PREFIXES)]
     if not any(e[3] for e in events) and not launches:  # CPU: no kernels; operators stand in (code path only)
         ops = [e for e in host if e[0].startswith("aten::")]
@@ -511,6 +555,7 @@ def launch_profile(target, req: list[list[int]], kw: dict, device) -> dict:
     return out
 
 
+PREFLIGHT = {"deepspeed": deepspeed_preflight}  # stage -> before its context is built: why it is skipped, or None
 STAGES = {  # stage -> (setup, one setting, summary after each setting)
     "train": (train_setup, train_item, _summary_losses),
     "deepspeed": (deepspeed_setup, deepspeed_item, _summary_losses),

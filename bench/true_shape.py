@@ -1,5 +1,5 @@
 """The 8B claims checked at the true shape without a GPU (issue 27): traced memory, FLOPs and bytes per NFE,
-and a predicted H200 / GH200 time to hold the first GPU run to.
+and a predicted H200 / GH200 / H100 time to hold the first GPU run to.
 
 Everything runs on this CPU under ``FakeTensorMode``: LLaDA-8B-Instruct and Dream-v0-Instruct-7B are built as the
 release configs (``tdlm.training.planner.resolve_backbone``) on the meta device with the adapter of
@@ -98,8 +98,11 @@ from tdlm.training.planner.model import BackboneSpec  # noqa: E402
 
 RECIPES = {"llada-8b": ROOT / "configs" / "llada_8b.yaml", "dream-7b": ROOT / "configs" / "dream_7b.yaml"}
 DS_JSON = ROOT / "ds_configs" / "zero3.json"
-# Dense bf16 peak and HBM bandwidth (vendor figures): H200 SXM; GH200's H100 96 GB (the paper's device).
-GPUS = {"h200": {"flops": 989e12, "bw": 4.8e12, "mem": 141e9}, "gh200": {"flops": 989e12, "bw": 4.0e12, "mem": 96e9}}
+# Dense bf16 peak and HBM bandwidth (vendor figures): H200 SXM; GH200's H100 96 GB (the paper's device); H100 SXM
+# 80 GB (the GPU most often lent for bench/gpu_check.sh). Every time prediction is computed for each of them; the
+# GPU check picks the rows of the GPU it runs on (bench/gpu_check_common.gpu_kind, whose GPU_KINDS must name these).
+GPUS = {"h200": {"flops": 989e12, "bw": 4.8e12, "mem": 141e9}, "gh200": {"flops": 989e12, "bw": 4.0e12, "mem": 96e9},
+        "h100": {"flops": 989e12, "bw": 3.35e12, "mem": 80e9}}
 PAPER = {"ms_per_nfe": 585.0 / 40.08, "gsm8k_s": 0.585, "nfe": 40.08, "device": "GH200, compiled, batch 1",
          "source": "paper Table 4, '16, dispersed (main)': 0.585 s for 40.08 NFE"}  # fmt: skip
 LAUNCH_US = 5.0  # per kernel launch of a compiled graph without CUDA graphs (stated assumption)
@@ -1009,7 +1012,11 @@ def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launc
     """Predicted ms per NFE for the settings bench/gpu_check.py measures (prompt 256 + 64 in blocks of 32, random
     weights: one token per evaluation, so 32 evaluations per block): backbone (threshold) and TDLM (the recipe's
     allocation), batch 1 and 8, cache none / dual; eager = the unfused bound, compiled = fused + launches added,
-    compiled_overlapped = fused with the launches issued asynchronously (:func:`overlapped_ms`), cuda_graphs = fused."""
+    compiled_overlapped = fused with the launches issued asynchronously (:func:`overlapped_ms`), cuda_graphs = fused.
+    One row per (setting, GPU of :data:`GPUS`), its ``gpu`` field naming the GPU: the trace is the same, only the
+    roofline's peak and bandwidth differ. ``compiled-static`` (compile=True with ``storage="static"``) is the
+    compiled prediction: the static plan's storage is modelled by the dynamic plan's trace (see
+    :func:`reduce_overhead_predictions`), so static / dynamic is predicted to be 1."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _tdlm_at(name, mode, "full", depth)
     bs = GPU_CHECK["block"]
@@ -1018,48 +1025,53 @@ def gpu_check_predictions(name: str, depth: int | None, ref_kernels: dict, launc
         base = {p: trace_decode(model, mode, p, "none", 0, batch, 0, limits=False,
                                 shape=GPU_CHECK)["eval"]["kernels_fused_est"] for p in ("backbone", "tdlm")}
         for cache in ("none", "dual"):
-            row = {"model": name, "batch": batch, "cache": cache}
+            steps = {}  # policy -> the traced steps (GPU-independent; each GPU's roofline is in them)
             for policy in ("threshold", "tdlm"):
-                kind = "tdlm" if policy == "tdlm" else "backbone"
-                scale = ref_kernels[kind] / base[kind]  # as in per_nfe, where the loop's graph was not counted
-                steps = []
-                for blk in range(GPU_CHECK["gen"] // bs):
-                    r = trace_decode(model, mode, "tdlm" if policy == "tdlm" else "backbone", cache, blk, batch,
-                                     blk * bs + bs // 2, limits=False, shape=GPU_CHECK)  # fmt: skip
-                    steps.append(r)
-                pred = {}
-                for mode_name, key in (("eager", "eager"), ("compiled", "launch"), ("compiled_overlapped", "overlap"),
-                                       ("cuda_graphs", "graphs")):
-                    per = []
-                    for r in steps:
-                        n_e = (launches(ref_kernels, kind, cache, "eval", batch)
-                               or r["eval"]["kernels_fused_est"] * scale)  # fmt: skip
-                        e = step_ms(r["eval"], "h200", n_e, launch_us)[key]
-                        if "window" in r:
-                            n_w = (launches(ref_kernels, kind, cache, "window", batch)
-                                   or r["window"]["kernels_fused_est"] * scale)  # fmt: skip
-                            w = step_ms(r["window"], "h200", n_w, launch_us)[key]
-                            e = (e + (bs - 1) * w) / bs
-                        per.append(e)
-                    pred[mode_name] = sum(per) / len(per)
-                pred["reduce-overhead"] = pred["cuda_graphs"]  # compile="reduce-overhead": CUDA graphs, launches ~0
-                row[f"{policy}_ms_per_nfe"] = pred
-            rows.append(row)
-            th, td = row["threshold_ms_per_nfe"], row["tdlm_ms_per_nfe"]
-            print(f"  gpu_check setting {name} b{batch} {cache}: threshold {th['eager']:.2f} eager / "
-                  f"{th['compiled']:.2f} compiled, launches added / {th['compiled_overlapped']:.2f} overlapped; tdlm "
-                  f"{td['eager']:.2f} / {td['compiled']:.2f} / {td['compiled_overlapped']:.2f} ms (H200)",
-                  flush=True)  # fmt: skip
+                steps[policy] = [trace_decode(model, mode, "tdlm" if policy == "tdlm" else "backbone", cache, blk,
+                                              batch, blk * bs + bs // 2, limits=False, shape=GPU_CHECK)
+                                 for blk in range(GPU_CHECK["gen"] // bs)]  # fmt: skip
+            for gpu in GPUS:
+                row = {"model": name, "gpu": gpu, "batch": batch, "cache": cache}
+                for policy in ("threshold", "tdlm"):
+                    kind = "tdlm" if policy == "tdlm" else "backbone"
+                    scale = ref_kernels[kind] / base[kind]  # as in per_nfe, where the loop's graph was not counted
+                    pred = {}
+                    for mode_name, key in (("eager", "eager"), ("compiled", "launch"),
+                                           ("compiled_overlapped", "overlap"), ("cuda_graphs", "graphs")):
+                        per = []
+                        for r in steps[policy]:
+                            n_e = (launches(ref_kernels, kind, cache, "eval", batch)
+                                   or r["eval"]["kernels_fused_est"] * scale)  # fmt: skip
+                            e = step_ms(r["eval"], gpu, n_e, launch_us)[key]
+                            if "window" in r:
+                                n_w = (launches(ref_kernels, kind, cache, "window", batch)
+                                       or r["window"]["kernels_fused_est"] * scale)  # fmt: skip
+                                w = step_ms(r["window"], gpu, n_w, launch_us)[key]
+                                e = (e + (bs - 1) * w) / bs
+                            per.append(e)
+                        pred[mode_name] = sum(per) / len(per)
+                    pred["compiled-static"] = pred["compiled"]  # the static plan modelled by the dynamic trace
+                    pred["reduce-overhead"] = pred["cuda_graphs"]  # compile="reduce-overhead": CUDA graphs, launches ~0
+                    row[f"{policy}_ms_per_nfe"] = pred
+                rows.append(row)
+                th, td = row["threshold_ms_per_nfe"], row["tdlm_ms_per_nfe"]
+                print(f"  gpu_check setting {name} b{batch} {cache} {gpu.upper()}: threshold {th['eager']:.2f} eager / "
+                      f"{th['compiled']:.2f} compiled, launches added / {th['compiled_overlapped']:.2f} overlapped; "
+                      f"tdlm {td['eager']:.2f} / {td['compiled']:.2f} / {td['compiled_overlapped']:.2f} ms",
+                      flush=True)  # fmt: skip
     return rows
 
 
 def reduce_overhead_predictions(section: dict, launch_us: float) -> dict:
     """bench/gpu_check.py's reduce-overhead settings predicted, written before any GPU run: per gpu_check row (model,
     batch, cache) and policy, ``compile="reduce-overhead"`` (CUDA graphs: the launch term about 0, the fused
-    roofline, the row's ``cuda_graphs``) beside ``compile=True`` (the compiled graph's launches at ``launch_us`` each:
-    added, the row's ``compiled``, and issued asynchronously, ``compiled_overlapped``). Each row names the measured
-    setting it is held to (``setting``: ``<model>/b<batch>/<cache>/reduce-overhead``) and the compile=True setting
-    it is compared with (``versus``), as bench/gpu_check_compare.py pairs them.
+    roofline, the row's ``cuda_graphs``) beside ``compile=True`` on the same static plan (the compiled graph's
+    launches at ``launch_us`` each: added, the row's ``compiled-static``, and issued asynchronously,
+    ``compiled_overlapped``). Each row names the measured setting it is held to (``setting``:
+    ``<model>/b<batch>/<cache>/reduce-overhead``) and the compile=True setting it is compared with (``versus``: the
+    ``compiled-static`` one, so the ratio measures CUDA graphs alone, not the storage plan as well), as
+    bench/gpu_check_compare.py pairs them; ``static_over_dynamic`` is compiled-static / compiled (``static_versus``).
+    One row per GPU of the section's rows (``gpu``).
 
     Modelled, not traced: the static plan's own storage (a history that never compacts, a dual window of one row
     that gathers its columns, bench/gpu_check.py runs reduce-overhead with ``storage="static"``) is the dynamic
@@ -1069,22 +1081,27 @@ def reduce_overhead_predictions(section: dict, launch_us: float) -> dict:
         for policy in ("threshold", "tdlm"):
             pm = r[f"{policy}_ms_per_nfe"]
             pm.setdefault("reduce-overhead", pm["cuda_graphs"])  # the key gpu_check_compare reads for the mode
-            ro, added, ovl = pm["reduce-overhead"], pm["compiled"], pm["compiled_overlapped"]
+            pm.setdefault("compiled-static", pm["compiled"])  # a section written before the compiled-static setting
+            ro, added, ovl = pm["reduce-overhead"], pm["compiled-static"], pm["compiled_overlapped"]
+            stem = f"{r['model']}/b{r['batch']}/{r['cache']}"
             rows.append({"model": r["model"], "gpu": r.get("gpu", section.get("gpu")), "batch": r["batch"],
-                         "cache": r["cache"], "policy": policy,
-                         "setting": f"{r['model']}/b{r['batch']}/{r['cache']}/reduce-overhead",
-                         "versus": f"{r['model']}/b{r['batch']}/{r['cache']}/compiled",
+                         "cache": r["cache"], "policy": policy, "setting": f"{stem}/reduce-overhead",
+                         "versus": f"{stem}/compiled-static", "static_versus": f"{stem}/compiled",
                          "reduce_overhead_ms_per_nfe": ro, "compile_true_ms_per_nfe": added,
                          "compile_true_overlapped_ms_per_nfe": ovl, "ratio_added": ro / added,
-                         "ratio_overlapped": ro / ovl})  # fmt: skip
-    out = {"gpu": section.get("gpu"), "shape": section.get("shape"), "launch_us": launch_us, "rows": rows,
-           "what": "ms per NFE: reduce-overhead = fused roofline (launches ~0); compile=True = fused + launches "
-                   "added (upper bound) / issued asynchronously; ratio = reduce-overhead / compile=True"}  # fmt: skip
-    print(f"\npredicted reduce-overhead vs compile=True, ms/NFE ({out['gpu']}, prompt 256 + 64, {launch_us:g} µs per "
-          f"launch without CUDA graphs):")  # fmt: skip
-    print(f"  {'setting':34s} {'policy':9s} {'reduce-ovh':>10s} {'True added':>10s} {'True ovl':>9s} {'ratio':>6s}")
+                         "ratio_overlapped": ro / ovl,
+                         "static_over_dynamic": pm["compiled-static"] / pm["compiled"]})  # fmt: skip
+    out = {"gpus": sorted({x["gpu"] for x in rows}, key=str), "shape": section.get("shape"), "launch_us": launch_us,
+           "rows": rows,
+           "what": "ms per NFE: reduce-overhead = fused roofline (launches ~0); compile=True (static plan) = fused + "
+                   "launches added (upper bound) / issued asynchronously; ratio = reduce-overhead / compiled-static; "
+                   "static_over_dynamic = compiled-static / compiled (modelled: 1)"}  # fmt: skip
+    print(f"\npredicted reduce-overhead vs compile=True on the static plan, ms/NFE (prompt 256 + 64, {launch_us:g} µs "
+          f"per launch without CUDA graphs):")  # fmt: skip
+    print(f"  {'setting':34s} {'GPU':6s} {'policy':9s} {'reduce-ovh':>10s} {'True added':>10s} {'True ovl':>9s} "
+          f"{'ratio':>6s}")  # fmt: skip
     for x in rows:
-        print(f"  {x['setting']:34s} {x['policy']:9s} {x['reduce_overhead_ms_per_nfe']:10.2f} "
+        print(f"  {x['setting']:34s} {x['gpu']:6s} {x['policy']:9s} {x['reduce_overhead_ms_per_nfe']:10.2f} "
               f"{x['compile_true_ms_per_nfe']:10.2f} {x['compile_true_overlapped_ms_per_nfe']:9.2f} "
               f"{x['ratio_added']:6.3f}")  # fmt: skip
     return out
@@ -1215,11 +1232,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             rows, secs = decode_table(name, depth, blocks, PAPER["nfe"])
             avg = per_nfe(rows, kernels[name], args.launch_us, evals_per_block)
-            even = {f"{cache}|{key}": break_even_launch_us(rows, kernels[name], evals_per_block, cache, lim, key)
-                    for cache, lim in TARGETS.items() for key in ("launch", "overlap")}
+            even_by_gpu = {gpu: {f"{cache}|{key}": break_even_launch_us(rows, kernels[name], evals_per_block, cache,
+                                                                        lim, key, gpu=gpu)
+                                 for cache, lim in TARGETS.items() for key in ("launch", "overlap")}
+                           for gpu in GPUS}  # fmt: skip
+            even = even_by_gpu["h200"]  # the issue's targets are stated on an H200
             result["nfe"][name] = {"rows": rows, "trace_s": secs, "evals_per_block": evals_per_block,
                                    "per_nfe_ms": {f"{k[0]}|{k[1]}": v for k, v in avg.items()},
-                                   "launch_us_at_target": even,
+                                   "launch_us_at_target": even, "launch_us_at_target_by_gpu": even_by_gpu,
                                    "compiled_kernels": kernels[name],
                                    "compiled_kernels_source": str(args.kernels)}  # fmt: skip
         result["table"] = summary_table(result, models)
@@ -1227,7 +1247,7 @@ def main(argv: list[str] | None = None) -> int:
         print_targets(result["targets"], args.launch_us)
     if "gpu_check" not in skip:
         kernels = compiled_kernels(args.kernels)
-        result["gpu_check"] = {"shape": GPU_CHECK, "gpu": "h200", "rows": [
+        result["gpu_check"] = {"shape": GPU_CHECK, "gpus": list(GPUS), "rows": [  # each row names its gpu
             r for name in models for r in gpu_check_predictions(name, depth, kernels[name], args.launch_us)]}
         result["reduce_overhead"] = reduce_overhead_predictions(result["gpu_check"], args.launch_us)
     result["seconds"] = time.perf_counter() - t0

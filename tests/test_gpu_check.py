@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import gpu_check  # noqa: E402  (stdlib imports only: the parent side never imports torch)
 import gpu_check_common  # noqa: E402  (the leaf the parent, the child and the comparison share)
+import gpu_check_compare  # noqa: E402  (the measured-beside-predicted table)
 import gpu_check_stages  # noqa: E402  (the child's module; it imports torch only inside its stages)
 
 
@@ -62,7 +63,9 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
                 assert prof["nfe"] == max(r[f"{policy}_nfe"]) and prof["regions_per_nfe"] >= 1, prof
                 assert prof["cpu_ops_in_region_per_nfe"] > 0 and prof["region_host_ms_per_nfe"] > 0, prof
         if r["mode"] == "reduce-overhead":  # on a CPU: the static plan under dynamo's eager backend
-            assert (r["compile"], r["storage"]) == ("eager", "static") and "tdlm_launches" not in r, r
+            assert (r["compile"], r["storage"]) == ("eager", "static"), r
+            for policy in ("threshold", "tdlm"):  # no CUDA graph on a CPU: none skipped, none replayed
+                assert r[f"{policy}_cudagraph_skips"] == 0 and r[f"{policy}_launches"]["graph_launches"] == 0, r
         if r["purpose"] == "memory":  # decode peak after a reset: the model's bytes plus what the decode adds
             for policy in ("threshold", "tdlm"):
                 mem = r[f"{policy}_memory"]
@@ -82,12 +85,17 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
         for policy in ("threshold", "tdlm"):
             ro = what[f"ms/NFE llada-8b b1 {cache} reduce-overhead {policy}"]
             assert ro["measured"] > 0 and ro["predicted"] > 0, ro
-    ratio = what["reduce-overhead/compiled llada-8b b1 none tdlm"]  # and over the compile=True setting it pairs with
-    assert ratio["pairs"] == ["llada-8b/b1/none/reduce-overhead", "llada-8b/b1/none/compiled"], ratio
-    ro_row, c_row = rows["llada-8b/b1/none/reduce-overhead"], rows["llada-8b/b1/none/compiled"]
+            assert "no cudaGraphLaunch" in ro["not_cuda_graphs"], ro  # a CPU's number is no CUDA-graph number
+    ratio = what["reduce-overhead/compiled-static llada-8b b1 none tdlm"]  # over compile=True on the same plan
+    assert ratio["pairs"] == ["llada-8b/b1/none/reduce-overhead", "llada-8b/b1/none/compiled-static"], ratio
+    ro_row, c_row = rows["llada-8b/b1/none/reduce-overhead"], rows["llada-8b/b1/none/compiled-static"]
+    assert (c_row["compile"], c_row["storage"]) == ("eager", "static")
     assert 0 < ratio["predicted"] < 1
     assert ratio["measured"] == pytest.approx(ro_row["tdlm_ms_per_nfe"] / c_row["tdlm_ms_per_nfe"])
-    assert ro_row["tdlm_reduce_overhead_over_compiled"] == pytest.approx(ratio["measured"])
+    assert ro_row["tdlm_reduce_overhead_over_compiled_static"] == pytest.approx(ratio["measured"])
+    static = what["compiled-static/compiled llada-8b b1 none tdlm"]  # the storage plan's own ratio
+    assert static["pairs"] == ["llada-8b/b1/none/compiled-static", "llada-8b/b1/none/compiled"], static
+    assert static["measured"] == pytest.approx(c_row["tdlm_compiled_static_over_compiled"]) and static["predicted"] == 1
     assert len(mem_rows) == 2 and all(r["measured"] and r["predicted"] for r in mem_rows), mem_rows
     assert pvm["stages"]["train"]["loss_finite"] is True and pvm["stages"]["deepspeed"]["loss_finite"] is True
 
@@ -159,71 +167,89 @@ def test_stage_deadlines_keep_inside_the_overall_deadline():
 
 
 def test_reduce_overhead_settings_are_timed_against_compile_true_and_each_has_its_prediction():
-    """compile="reduce-overhead" (storage="static") at batch 1 and 8, uncached and dual, each after its compile=True
-    setting, batch 1 dual the first of them (right after --quick's settings); every one paired with a predicted row
-    of true_shape.json (written before any GPU run) for both policies."""
+    """compile="reduce-overhead" (storage="static") at batch 1 and 8, uncached and dual, each right after its
+    compiled-static setting (compile=True, storage="static") and after its compiled one (compile=True, dynamic),
+    batch 1 dual the first of them (right after --quick's settings); every one paired with a predicted row of
+    true_shape.json (written before any GPU run) for both policies."""
     full = [s["name"] for s in gpu_check.nfe_settings()]
     n_quick = len(gpu_check.nfe_settings(quick=True))
     ro = [n for n in full if n.endswith("/reduce-overhead")]
     assert sorted(ro) == sorted(f"llada-8b/b{b}/{c}/reduce-overhead" for b in (1, 8) for c in ("none", "dual"))
-    assert full[n_quick] == "llada-8b/b1/dual/reduce-overhead"  # most telling first
+    assert full[n_quick : n_quick + 2] == ["llada-8b/b1/dual/compiled-static", "llada-8b/b1/dual/reduce-overhead"]
     for name in ro:
+        assert full.index(name.replace("reduce-overhead", "compiled-static")) == full.index(name) - 1, name
         assert full.index(name.replace("reduce-overhead", "compiled")) < full.index(name), name
         assert full.index(name) < full.index("llada-8b/b1/none/eager")  # before any eager timing
     assert gpu_check.compile_kw("reduce-overhead", False) == {"compile": "reduce-overhead", "storage": "static"}
     assert gpu_check.compile_kw("reduce-overhead", True) == {"compile": "eager", "storage": "static"}
+    assert gpu_check.compile_kw("compiled-static", False) == {"compile": True, "storage": "static"}
+    assert gpu_check.compile_kw("compiled-static", True) == {"compile": "eager", "storage": "static"}
     assert gpu_check.compile_kw("compiled", False) == {"compile": True}
     assert gpu_check.compile_kw("eager", True) == {"compile": False}
     dry = [s["name"] for s in gpu_check.nfe_settings(dry_run=True)]
     assert {"llada-8b/b1/none/reduce-overhead", "llada-8b/b1/dual/reduce-overhead"} <= set(dry)
     real = json.loads(gpu_check_common.PREDICTION.read_text())
     sel = gpu_check_common.select_predictions(real, "h200")["gpu_check"]
-    predicted = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"]}
+    predicted = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"] if r["gpu"] == "h200"}
     for name in ro:
         model, b, cache, _ = name.split("/")
         for policy in ("threshold", "tdlm"):
             pm = sel[(model, int(b[1:]), cache)][f"{policy}_ms_per_nfe"]
             assert 0 < pm["reduce-overhead"] == pm["cuda_graphs"] < pm["compiled"], (name, pm)
             r = predicted[(name, policy)]
-            assert r["versus"] == name.replace("reduce-overhead", "compiled") and r["gpu"] == "h200"
+            assert r["versus"] == name.replace("reduce-overhead", "compiled-static") and r["gpu"] == "h200"
+            assert r["static_versus"] == name.replace("reduce-overhead", "compiled")
             assert r["reduce_overhead_ms_per_nfe"] == pm["reduce-overhead"] and 0 < r["ratio_added"] < 1
+            assert r["compile_true_ms_per_nfe"] == pm["compiled-static"] and r["static_over_dynamic"] == 1.0
 
 
 def test_a_reduce_overhead_row_is_compared_with_its_prediction_and_its_compile_true_setting(tmp_path):
+    """reduce-overhead is held to compile=True on the same static plan (CUDA graphs alone), never to the dynamic
+    compile=True (which would mix in the storage plan); static / dynamic is its own ratio."""
     rows = [{"item": f"llada-8b/b8/dual/{mode}", "model": "llada-8b", "batch": 8, "cache": "dual", "mode": mode,
              "purpose": "speed", "threshold_ms_per_nfe": ms, "tdlm_ms_per_nfe": ms * 1.02}
-            for mode, ms in (("compiled", 9.0), ("reduce-overhead", 6.3))]  # fmt: skip
+            for mode, ms in (("compiled", 9.0), ("reduce-overhead", 6.3), ("compiled-static", 8.0))]  # fmt: skip
     gpu_check_common.write_json(tmp_path / "gpu_nfe_dryrun.json", {"stage": "nfe", "status": "ok", "rows": rows})
     from gpu_check_compare import beside_predicted
 
     out = {r["what"]: r for r in beside_predicted(tmp_path, True)["rows"]}
     real = json.loads(gpu_check_common.PREDICTION.read_text())
-    pred = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"]}
+    pred = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"] if r["gpu"] == "h200"}  # dry run
     for policy in ("threshold", "tdlm"):
         p = pred[("llada-8b/b8/dual/reduce-overhead", policy)]
         ms = out[f"ms/NFE llada-8b b8 dual reduce-overhead {policy}"]
         assert ms["predicted"] == p["reduce_overhead_ms_per_nfe"] and ms["measured"] == rows[1][f"{policy}_ms_per_nfe"]
-        ratio = out[f"reduce-overhead/compiled llada-8b b8 dual {policy}"]
-        assert ratio["measured"] == pytest.approx(6.3 / 9.0) and ratio["predicted"] == pytest.approx(p["ratio_added"])
+        ratio = out[f"reduce-overhead/compiled-static llada-8b b8 dual {policy}"]
+        assert ratio["measured"] == pytest.approx(6.3 / 8.0) and ratio["predicted"] == pytest.approx(p["ratio_added"])
         assert ratio["predicted_overlapped"] == pytest.approx(p["ratio_overlapped"])
-        assert ratio["pairs"] == ["llada-8b/b8/dual/reduce-overhead", "llada-8b/b8/dual/compiled"]
-        assert out[f"ms/NFE llada-8b b8 dual compiled {policy}"]["predicted"] == p["compile_true_ms_per_nfe"]
+        assert ratio["pairs"] == ["llada-8b/b8/dual/reduce-overhead", "llada-8b/b8/dual/compiled-static"]
+        assert out[f"ms/NFE llada-8b b8 dual compiled-static {policy}"]["predicted"] == p["compile_true_ms_per_nfe"]
+        static = out[f"compiled-static/compiled llada-8b b8 dual {policy}"]
+        assert static["measured"] == pytest.approx(8.0 / 9.0) and static["predicted"] == p["static_over_dynamic"]
+        assert static["pairs"] == ["llada-8b/b8/dual/compiled-static", "llada-8b/b8/dual/compiled"]
+    assert not any(w.startswith("reduce-overhead/compiled ") for w in out)  # no ratio over the dynamic plan
 
 
 def test_gpu_names_select_only_their_own_prediction_rows():
     assert gpu_check_common.gpu_kind("NVIDIA H200") == "h200"
     assert gpu_check_common.gpu_kind("NVIDIA GH200 480GB") == "gh200"
     assert gpu_check_common.gpu_kind("NVIDIA GH200 144G HBM3e") == "gh200"
-    for other in ("NVIDIA H100 80GB HBM3", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "", None):
-        assert gpu_check_common.gpu_kind(other) is None
+    assert gpu_check_common.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"  # the SXM part, as torch names it
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB", "", None):
+        assert gpu_check_common.gpu_kind(other) is None, other
     pred = {
         "gpu_check": {"gpu": "h200", "rows": [
             {"model": "llada-8b", "batch": 1, "cache": "none", "threshold_ms_per_nfe": {"compiled": 7.0}},
             {"model": "llada-8b", "batch": 1, "cache": "dual", "gpu": "gh200",
              "threshold_ms_per_nfe": {"compiled": 9.0}},
+            {"model": "llada-8b", "batch": 8, "cache": "dual", "gpu": "h100",
+             "threshold_ms_per_nfe": {"compiled": 11.0}},
         ]},
-        "nfe": {"llada-8b": {"per_nfe_ms": {"backbone|none": {"h200": {"eager": 17.0}, "gh200": {"eager": 18.0}}},
-                             "compiled_kernels": {"backbone": 418}}},
+        "nfe": {"llada-8b": {"per_nfe_ms": {"backbone|none": {"h200": {"eager": 17.0}, "gh200": {"eager": 18.0},
+                                                              "h100": {"eager": 21.0}}},
+                             "compiled_kernels": {"backbone": 418},
+                             "launch_us_at_target_by_gpu": {"h200": {"none|launch": 3.7},
+                                                            "h100": {"none|launch": 2.9}}}},
         "decode_memory": {"llada-8b": {"rows": [{"policy": "tdlm", "history": "full", "cache": "none", "batch": 8,
                                                  "peak": {"Total": 1}}]}},
         "launch_us": 5.0,
@@ -234,12 +260,79 @@ def test_gpu_names_select_only_their_own_prediction_rows():
     gh200 = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA GH200 480GB"))
     assert set(gh200["gpu_check"]) == {("llada-8b", 1, "dual")}  # never the H200 section's rows
     assert gh200["per_nfe"][("llada-8b", "backbone", "none")] == {"eager": 18.0}
-    none = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA H100 80GB HBM3"))
-    assert none["gpu_check"] == {} and none["per_nfe"] == {} and none["decode_memory"] == {}
-    assert none["launch_us"] is None and none["kernels"] == {}
-    real = json.loads(gpu_check_common.PREDICTION.read_text())  # today's file: H200 rows for the checked settings
-    assert len(gpu_check_common.select_predictions(real, "h200")["gpu_check"]) == len(real["gpu_check"]["rows"])
-    assert gpu_check_common.select_predictions(real, "gh200")["gpu_check"] == {}
+    h100 = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA H100 80GB HBM3"))
+    assert set(h100["gpu_check"]) == {("llada-8b", 8, "dual")}
+    assert h100["per_nfe"][("llada-8b", "backbone", "none")] == {"eager": 21.0}
+    assert h100["launch_us_at_target"]["llada-8b"] == {"none|launch": 2.9}
+    # a GPU true_shape does not model: no time row, but every GPU-independent one (memory, kernels, launch cost)
+    other = gpu_check_common.select_predictions(pred, gpu_check_common.gpu_kind("NVIDIA A100-SXM4-80GB"))
+    assert other["gpu_check"] == {} and other["per_nfe"] == {} and other["launch_us_at_target"] == {}
+    assert other["decode_memory"] == h200["decode_memory"] == {("llada-8b", "tdlm", "full", "none", 8):
+                                                               pred["decode_memory"]["llada-8b"]["rows"][0]}
+    assert other["kernels"] == {"llada-8b": {"backbone": 418}} and other["launch_us"] == 5.0
+    real = json.loads(gpu_check_common.PREDICTION.read_text())  # today's file: rows of every GPU it models
+    assert set(real["gpus"]) == set(gpu_check_common.GPU_KINDS)  # true_shape's GPUS, each a kind gpu_kind names
+    n_settings = len({(r["model"], r["batch"], r["cache"]) for r in real["gpu_check"]["rows"]})
+    for kind in gpu_check_common.GPU_KINDS:
+        assert len(gpu_check_common.select_predictions(real, kind)["gpu_check"]) == n_settings, kind
+
+
+def _stage_docs(out: Path, gpu_name: str) -> None:
+    """The three stage JSONs a real run on ``gpu_name`` would leave (made-up measurements, real setting names)."""
+    machine = {"name": gpu_name}
+    write = gpu_check_common.write_json
+    write(out / "gpu_train.json", {"stage": "train", "status": "ok", "machine": machine,
+                                   "rows": [{"item": "all", "layers": "all", "measured": 40 * 2**30,
+                                             "predicted": 41 * 2**30}]})  # fmt: skip
+    write(out / "gpu_deepspeed.json", {"stage": "deepspeed", "status": "ok", "machine": machine,
+                                       "rows": [{"item": "zero3", "layers": "dispersed:16",
+                                                 "max_allocated": 30 * 2**30, "planner": {"total": 31 * 2**30}}]})
+    speed = {"item": "llada-8b/b1/none/compiled", "model": "llada-8b", "batch": 1, "cache": "none",
+             "mode": "compiled", "purpose": "speed", "threshold_ms_per_nfe": 8.0, "tdlm_ms_per_nfe": 8.3,
+             "tdlm_launches": {"kernels_per_nfe_compiled": 480.0, "host_us_per_launch": 4.0}}  # fmt: skip
+    memory = {"item": "llada-8b/b8/none/eager/gen256", "model": "llada-8b", "batch": 8, "cache": "none",
+              "mode": "eager", "purpose": "memory", "gen_length": 256,
+              "threshold_memory": {"decode_peak": 20 * 2**30}, "tdlm_memory": {"decode_peak": 22 * 2**30}}
+    write(out / "gpu_nfe.json", {"stage": "nfe", "status": "ok", "machine": machine, "block_size": 32,
+                                 "rows": [speed, memory]})  # fmt: skip
+
+
+GPU_INDEPENDENT = ("train peak, llada-8b all, one process", "DeepSpeed peak, dispersed:16, ZeRO-3 one rank",
+                   "decode peak llada-8b b8 none gen256 threshold", "decode peak llada-8b b8 none gen256 tdlm",
+                   "kernels/NFE in compiled region llada-8b b1 none tdlm", "host µs/launch llada-8b b1 none tdlm")
+
+
+def test_an_h100_is_held_to_the_h100_rows_and_any_gpu_to_the_gpu_independent_ones(tmp_path):
+    """A run on an H100 prints the H100 time predictions (not the H200's), and every run, an unknown GPU's too,
+    prints the memory, planner and kernel-count predictions, which do not depend on the GPU."""
+    from gpu_check_compare import beside_predicted
+
+    real = json.loads(gpu_check_common.PREDICTION.read_text())
+    by_gpu = {r["gpu"]: r for r in real["gpu_check"]["rows"] if (r["model"], r["batch"], r["cache"]) ==
+              ("llada-8b", 1, "none")}  # fmt: skip
+    seen = {}
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"):
+        out = tmp_path / name.split()[1]
+        out.mkdir()
+        _stage_docs(out, name)
+        result = beside_predicted(out, False)
+        seen[name] = rows = {r["what"]: r for r in result["rows"]}
+        for what in GPU_INDEPENDENT:
+            assert rows[what]["predicted"] and rows[what]["predicted"] > 0, (name, rows[what])
+        assert rows["train peak, llada-8b all, one process"]["planner"] == 41.0
+        assert rows["DeepSpeed peak, dispersed:16, ZeRO-3 one rank"]["predicted"] == 31.0
+    h100, other = seen["NVIDIA H100 80GB HBM3"], seen["NVIDIA A100-SXM4-80GB"]
+    ms = h100["ms/NFE llada-8b b1 none compiled tdlm"]
+    h100_ms, h200_ms = (by_gpu[g]["tdlm_ms_per_nfe"]["compiled"] for g in ("h100", "h200"))
+    assert ms["predicted"] == h100_ms > h200_ms  # less bandwidth than an H200
+    assert ms["predicted_cuda_graphs"] == by_gpu["h100"]["tdlm_ms_per_nfe"]["cuda_graphs"]
+    assert h100["host µs/launch llada-8b b1 none tdlm"]["holds_up_to_added"] is not None
+    assert other["ms/NFE llada-8b b1 none compiled tdlm"]["predicted"] is None  # time rows need a modelled GPU
+    assert other["host µs/launch llada-8b b1 none tdlm"]["holds_up_to_added"] is None
+    for what in GPU_INDEPENDENT:  # the same predictions whichever GPU ran them
+        assert other[what]["predicted"] == h100[what]["predicted"], what
+    pvm = json.loads((tmp_path / "A100-SXM4-80GB" / "predicted_vs_measured.json").read_text())
+    assert pvm["gpu_kind"] is None and "GPU-independent" in pvm["gpu_rows"]
 
 
 def test_kernels_and_host_time_are_counted_inside_the_compiled_region_only():
@@ -257,6 +350,8 @@ def test_kernels_and_host_time_are_counted_inside_the_compiled_region_only():
         ("Memcpy HtoD (Pageable -> Device)", 61 * us, 1 * us, True, 13),
         ("elementwise_kernel", 160 * us, 1 * us, True, 14),
         ("triton_red_fused_1", 260 * us, 3 * us, True, 15),
+        ("cudaGraphLaunch", 320 * us, 3 * us, False, 16),  # a CUDA graph replayed: neither a kernel nor a launch
+        ("cuGraphLaunch", 330 * us, 3 * us, False, 17),
     ]
     out = gpu_check_stages.region_counts(ev, evals=2)
     assert out["kernels_per_nfe_compiled"] == 1.5 and out["kernels_per_nfe_compiled_device"] == 1.5
@@ -264,6 +359,74 @@ def test_kernels_and_host_time_are_counted_inside_the_compiled_region_only():
     assert out["copies_in_region_per_nfe"] == 0.5 and out["regions_per_nfe"] == 1.0
     assert out["host_us_per_launch"] == 200 / 3  # the regions' host wall / the kernels launched inside them
     assert out["launch_api_us_mean"] == 8 / 3 and out["region_host_ms_per_nfe"] == 0.1
+    assert out["graph_launches"] == 2 and out["graph_launches_per_nfe"] == 1.0
+
+
+def test_a_decode_setting_records_inductors_cudagraph_skips_and_its_graph_launches(monkeypatch):
+    """Every decode of a setting (the untimed one, the timed one, the profiled one) counts toward its
+    ``<policy>_cudagraph_skips``; a reduce-overhead setting is profiled for its graph launches. A fake decode stands
+    in for tdlm.decode and skips one graph per call, as inductor does when a graph cannot be captured."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    import tdlm
+
+    monkeypatch.delenv(gpu_check.HOOKS_ENV, raising=False)
+    ctx = gpu_check_stages.build_context("nfe", True)  # the toy backbone on the CPU
+    calls = []
+
+    def decode(target, req, **kw):
+        calls.append(kw)
+        counters["inductor"]["cudagraph_skips"] += 1
+        return [SimpleNamespace(nfe=4) for _ in req]
+
+    monkeypatch.setattr(tdlm, "decode", decode)
+    monkeypatch.setitem(counters["inductor"], "cudagraph_skips", counters["inductor"]["cudagraph_skips"])
+    row = gpu_check_stages.nfe_item(ctx, "llada-8b/b1/none/reduce-overhead", lambda r: None)
+    assert len(calls) == 6 and all(kw["storage"] == "static" for kw in calls)  # 2 policies x (warm-up, timed, profile)
+    for policy in ("threshold", "tdlm"):
+        assert row[f"{policy}_cudagraph_skips"] == 3, row
+        assert row[f"{policy}_launches"]["graph_launches"] == 0  # a CPU replays no CUDA graph
+        why = gpu_check_compare.cuda_graph_proof(row, policy)
+        assert "skipped CUDA graphs 3 times" in why and "no cudaGraphLaunch" in why, why
+    monkeypatch.setattr(tdlm, "decode", lambda target, req, **kw: [SimpleNamespace(nfe=4) for _ in req])
+    row = gpu_check_stages.nfe_item(ctx, "llada-8b/b1/none/compiled-static", lambda r: None)
+    assert row["tdlm_cudagraph_skips"] == 0 and "tdlm_launches" not in row  # recorded for every mode
+
+
+def test_a_reduce_overhead_number_is_a_cuda_graph_number_only_when_proven(tmp_path):
+    """A reduce-overhead row whose decodes skipped a CUDA graph, or whose profile replayed none, is marked in the
+    comparison as not a CUDA-graph number, its ratio too; one with no skip and graph launches is not marked."""
+    from gpu_check_compare import beside_predicted
+
+    def row(batch: int, mode: str, ms: float, skips: int | None = None, graphs: int | None = None) -> dict:
+        r = {"item": f"llada-8b/b{batch}/dual/{mode}", "model": "llada-8b", "batch": batch, "cache": "dual",
+             "mode": mode, "purpose": "speed", "threshold_ms_per_nfe": ms, "tdlm_ms_per_nfe": ms}  # fmt: skip
+        for policy in ("threshold", "tdlm"):
+            if skips is not None:
+                r[f"{policy}_cudagraph_skips"] = skips
+            if graphs is not None:
+                r[f"{policy}_launches"] = {"graph_launches": graphs, "graph_launches_per_nfe": graphs / 64}
+        return r
+
+    rows = [row(1, "compiled-static", 5.0), row(1, "reduce-overhead", 4.0, skips=2, graphs=64),
+            row(8, "compiled-static", 9.0), row(8, "reduce-overhead", 6.0, skips=0, graphs=64),
+            row(8, "compiled", 8.5, skips=0)]  # fmt: skip
+    gpu_check_common.write_json(tmp_path / "gpu_nfe_dryrun.json", {"stage": "nfe", "status": "ok", "rows": rows})
+    out = {r["what"]: r for r in beside_predicted(tmp_path, True)["rows"]}
+    for policy in ("threshold", "tdlm"):
+        for what in (f"ms/NFE llada-8b b1 dual reduce-overhead {policy}",
+                     f"reduce-overhead/compiled-static llada-8b b1 dual {policy}"):  # fmt: skip
+            assert "skipped CUDA graphs 2 times" in out[what]["not_cuda_graphs"], out[what]
+        for what in (f"ms/NFE llada-8b b8 dual reduce-overhead {policy}",
+                     f"reduce-overhead/compiled-static llada-8b b8 dual {policy}"):  # fmt: skip
+            assert out[what]["not_cuda_graphs"] is None, out[what]
+        assert "not_cuda_graphs" not in out[f"ms/NFE llada-8b b8 dual compiled {policy}"]
+    no_graph = row(8, "reduce-overhead", 6.0, skips=0, graphs=0)
+    assert "no cudaGraphLaunch" in gpu_check_compare.cuda_graph_proof(no_graph, "tdlm")
+    unrecorded = row(8, "reduce-overhead", 6.0, graphs=64)
+    assert "not recorded" in gpu_check_compare.cuda_graph_proof(unrecorded, "tdlm")
 
 
 def test_fetch_names_the_wheels_of_the_asked_architecture():
@@ -391,3 +554,28 @@ def test_a_child_started_on_a_stage_file_appends_to_its_rows(tmp_path, monkeypat
     assert gpu_check_stages.child_main("train", ["b"], path, True) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [(r["item"], r["by"]) for r in rows] == [("a", "first"), ("b", "second")], rows
+
+
+def test_a_deepspeed_that_cannot_be_imported_skips_its_stage_before_any_backbone_is_built(tmp_path, monkeypatch):
+    """DeepSpeed's import fails on the GPU image not only with an ImportError: a pydantic / pydantic-core mismatch
+    raises SystemError. Any failure marks the stage "skipped" (the environment, not the code under test), and the
+    import comes before the backbone is built."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise SystemError("The installed pydantic-core version (2.33.2) is incompatible with pydantic 2.12")
+        return real_import(name, *args, **kwargs)
+
+    built = []
+    monkeypatch.setattr(sys, "path", list(sys.path))  # child_main puts bench/ and the root first
+    monkeypatch.setattr(gpu_check_stages, "build_context", lambda stage, dry_run: built.append(stage))
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    monkeypatch.delenv(gpu_check.HOOKS_ENV, raising=False)
+    path = tmp_path / "gpu_deepspeed.json"
+    assert gpu_check_stages.child_main("deepspeed", ["zero3"], path, True) == 0
+    doc = json.loads(path.read_text())
+    assert doc["status"] == "skipped" and "SystemError" in doc["reason"] and "pydantic-core" in doc["reason"], doc
+    assert built == [] and doc["rows"] == []  # skipped before the backbone, no setting run

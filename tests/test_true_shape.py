@@ -135,18 +135,21 @@ def test_the_static_plan_formula_is_what_a_static_decode_holds():
 
 
 def test_reduce_overhead_predictions_pair_with_the_gpu_check_settings():
-    """Per gpu_check row and policy: reduce-overhead is the CUDA-graphs prediction (launches ~0), compile=True the
-    launches added / overlapped, named as bench/gpu_check.py names the settings."""
-    ms = {"eager": 14.0, "compiled": 8.0, "compiled_overlapped": 5.6, "cuda_graphs": 5.5}
-    rows = [{"model": "llada-8b", "batch": b, "cache": c, "threshold_ms_per_nfe": dict(ms), "tdlm_ms_per_nfe": dict(ms)}
-            for b in (1, 8) for c in ("none", "dual")]  # fmt: skip
-    section = {"gpu": "h200", "rows": rows}
+    """Per gpu_check row (one per GPU) and policy: reduce-overhead is the CUDA-graphs prediction (launches ~0),
+    compile=True on the same static plan (compiled-static) the launches added / overlapped, named as
+    bench/gpu_check.py names the settings; static / dynamic its own ratio."""
+    ms = {"eager": 14.0, "compiled": 8.0, "compiled_overlapped": 5.6, "cuda_graphs": 5.5, "compiled-static": 8.4}
+    rows = [{"model": "llada-8b", "gpu": g, "batch": b, "cache": c, "threshold_ms_per_nfe": dict(ms),
+             "tdlm_ms_per_nfe": dict(ms)} for b in (1, 8) for c in ("none", "dual") for g in ("h200", "h100")]
+    section = {"gpus": ["h200", "h100"], "rows": rows}
     out = ts.reduce_overhead_predictions(section, 5.0)
-    assert len(out["rows"]) == 8 and out["launch_us"] == 5.0
-    names = {(r["setting"], r["versus"], r["policy"]) for r in out["rows"]}
-    assert names == {(f"llada-8b/b{b}/{c}/reduce-overhead", f"llada-8b/b{b}/{c}/compiled", p)
-                     for b in (1, 8) for c in ("none", "dual") for p in ("threshold", "tdlm")}  # fmt: skip
+    assert len(out["rows"]) == 16 and out["launch_us"] == 5.0 and out["gpus"] == ["h100", "h200"]
+    names = {(r["setting"], r["versus"], r["static_versus"], r["policy"], r["gpu"]) for r in out["rows"]}
+    assert names == {(f"llada-8b/b{b}/{c}/reduce-overhead", f"llada-8b/b{b}/{c}/compiled-static",
+                      f"llada-8b/b{b}/{c}/compiled", p, g)
+                     for b in (1, 8) for c in ("none", "dual") for p in ("threshold", "tdlm") for g in ("h200", "h100")}
     for r in out["rows"]:
-        assert r["reduce_overhead_ms_per_nfe"] == 5.5 and r["compile_true_ms_per_nfe"] == 8.0
-        assert r["ratio_added"] == pytest.approx(5.5 / 8.0) and r["ratio_overlapped"] == pytest.approx(5.5 / 5.6)
+        assert r["reduce_overhead_ms_per_nfe"] == 5.5 and r["compile_true_ms_per_nfe"] == 8.4
+        assert r["ratio_added"] == pytest.approx(5.5 / 8.4) and r["ratio_overlapped"] == pytest.approx(5.5 / 5.6)
+        assert r["static_over_dynamic"] == pytest.approx(8.4 / 8.0)
     assert all(row["tdlm_ms_per_nfe"]["reduce-overhead"] == 5.5 for row in section["rows"])  # the key compare reads
