@@ -28,12 +28,9 @@ Overrides are `section.key=value` (e.g. `train.max_steps=100 model.layers=disper
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,118 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # torch loads MKL. STRICT = the same result on this CPU type; another CPU type may still differ (see docs).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-# A stop signal during the imports below (torch + DeepSpeed: seconds) is remembered and handled like one during
+# A stop signal during the imports of run() (torch + DeepSpeed: seconds) is remembered and handled like one during
 # training, not a KeyboardInterrupt traceback from inside an import.
 _EARLY: list[int] = []
 for _s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
     signal.signal(_s, lambda signum, frame: _EARLY.append(signum))
 
-RANK = int(os.environ.get("RANK", "0"))  # set by deepspeed / torchrun before this process starts
-PEER_REPORT_WAIT_S = 20.0  # how long a rank > 0 leaves rank 0 to report an input error (its launcher ends us)
-
-
-def _quiet_unless_rank0():
-    """Ranks > 0 keep their messages (argparse usage, errors) to themselves while the input is checked: every rank
-    checks the same input, rank 0 reports it, once."""
-    return contextlib.nullcontext(None) if RANK == 0 else contextlib.redirect_stderr(io.StringIO())
-
-
-def _peer_exit(stop, message: str) -> int:
-    """A rank > 0 with an input error: rank 0 prints the same one line, and the launcher then ends this rank
-    (SIGTERM, a stop request). Only if that never comes is the message printed here, naming the rank."""
-    stop.immediate = False  # this exit is an input error's (2), not a stop's
-    deadline = time.monotonic() + PEER_REPORT_WAIT_S
-    while time.monotonic() < deadline and not stop.requested:
-        time.sleep(0.1)
-    if not stop.requested and message:
-        print(f"rank {RANK}: {message}", file=sys.stderr, flush=True)
-    return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    from tdlm.training.run_dir import (
-        EXIT_BAD_INPUT,
-        EXIT_FAILED,
-        EXIT_PREEMPTED,
-        STOP,
-        RunAborted,
-        Stopped,
-        stop_with_launcher,
-    )
-
-    stop = STOP.install()
-    stop.immediate = True  # nothing written yet: a stop ends the process (tdlm.training.run_dir.StopRequest)
-    if _EARLY:
-        stop.handler(_EARLY[0])
-    from tdlm.errors import TDLMError
-
-    stop_with_launcher()  # if the deepspeed / torchrun process above this rank dies, this rank stops (checkpoint)
-    buffered = _quiet_unless_rank0()
-    try:
-        # Validation first, before trajectories, weights or a process group: the command line, every field, the DS
-        # JSON through DeepSpeed's own config model, the backbone and the allocation (tdlm.training.launch).
-        with buffered as err:
-            from tdlm.training.launch import parse_launch, preflight_before_work
-
-            launch = parse_launch(argv, __doc__)
-            if launch.resume:
-                stop.hint = "resume with --resume"
-            preflight_before_work(launch)
-    except SystemExit as e:  # argparse: usage or --help, printed by rank 0 only
-        stop.immediate = False
-        code = e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
-        if RANK != 0 and code:
-            lines = (err.getvalue() if err is not None else "").strip().splitlines()
-            return _peer_exit(stop, lines[-1] if lines else "")
-        return code
-    except TDLMError as e:
-        if RANK != 0:
-            return _peer_exit(stop, f"error: {e}")
-        stop.immediate = False
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    try:
-        from tdlm.data.toy_trajectories import ensure_toy_trajectories
-        from tdlm.training import train
-        from tdlm.training.config import DataConfig
-
-        if launch.run.data.trajectories == DataConfig.trajectories:  # only the embedded default's own folder:
-            ensure_toy_trajectories(launch.run.data.trajectories, launch.run.model.backbone)  # a typo is an error
-        train(launch.run, launch.ds_raw, resume=launch.resume, source=launch.source, ds_source=launch.ds_path,
-              allow_recipe_change=launch.allow_recipe_change)
-    except Stopped as e:
-        stop.immediate = False
-        if RANK == 0:
-            print(e.message, file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
-    except RunAborted as e:  # a full disk at a checkpoint, a lost peer: every rank knows; one prints
-        stop.immediate = False
-        if RANK == e.printer:
-            print(f"error: {e.message}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except TDLMError as e:
-        stop.immediate = False
-        if RANK == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            return EXIT_BAD_INPUT
-        return _peer_exit(stop, f"error: {e}")
-    except Exception as e:
-        stop.immediate = False
-        if not stop.requested:
-            raise
-        # Stopping, a peer rank ended first (its collective broke): one line, not a gloo traceback.
-        from tdlm.training.run_dir import signal_name
-
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        print(f"rank {RANK}: stopped by {signal_name(stop.signum)} before the ranks could agree on a checkpoint "
-              f"({type(e).__name__}: {first}); resume with --resume (from the newest verified checkpoint)",
-              file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    return 0
-
+# Everything else (the command line, the checks, training, exit statuses and their one-line messages) is the
+# library's: tdlm/training/entry.py.
+from tdlm.training.entry import run  # noqa: E402 - after the environment and the handlers above
 
 if __name__ == "__main__":
-    rc = main()
+    rc = run(None, __doc__, _EARLY)
     sys.stdout.flush()
     sys.stderr.flush()
     # torch's gloo thread can abort interpreter shutdown ("terminate called without an active

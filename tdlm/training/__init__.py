@@ -2,7 +2,8 @@
 
 * :mod:`.config` - the run config (typed dataclasses; ``configs/*.yaml`` only set values)
 * :mod:`.ds_config` - DeepSpeed JSON resolution against the run config
-* :mod:`.loop` - set-up, the Eq. 5 step, adapter export (``launcher/train.py`` drives it)
+* :mod:`.loop` - set-up, the Eq. 5 step, adapter export (:mod:`.entry` drives it)
+* :mod:`.entry` - ``launcher/train.py``'s body: command line, checks, training, exit status and its one line
 * :mod:`.distributed` - the process group under NCCL's rules: device binding, stop agreement, a lost peer
 * :mod:`.checkpoint` - checkpoints every rank writes together, verified, rotated
 * :mod:`.session` - what one rank holds while it runs
