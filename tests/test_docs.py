@@ -1,6 +1,6 @@
-"""README.md and docs/*.md stay true: their Python blocks run, the paths and names they cite exist, the quickstart
-commands parse, README stays a front door, and the shipped benchmark copies are the pinned files, found in the
-documented order (docs/benchmarks.md).
+"""README.md, docs/*.md, docs/reports/*.md and bench/README.md stay true: their Python blocks run, the paths and names
+they cite exist, the quickstart commands parse, README stays a front door, and the shipped benchmark copies are the
+pinned files, found in the documented order (docs/benchmarks.md).
 
 A Python block that cannot run on this CPU says so on its first line (``# not run: needs LLaDA-8B weights ...``);
 the test then checks that the marker names such a need and that the block really has one (an 8B / 7B checkpoint id,
@@ -24,7 +24,10 @@ import pytest
 from tdlm.tasks import base
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = sorted((REPO / "docs").glob("*.md"))  # the documentation proper: each is linked from README.md
+REPORTS = sorted((REPO / "docs" / "reports").glob("*.md"))  # dated measurements, each linked from a page
+# bench/README.md states the benches' commands and result files, so it is held to the same checks
+DOCS = [REPO / "README.md", *PAGES, REPO / "bench" / "README.md", *REPORTS]
 README_MAX_LINES = 250
 
 NOT_RUN = re.compile(r"#\s*not run:\s*(?P<why>\S.*)")
@@ -43,7 +46,7 @@ def rel(p: Path) -> str:
 
 
 def python_blocks() -> list[tuple[str, str]]:
-    """(``file:line``, code) of every ```python block of README.md and docs/*.md."""
+    """(``file:line``, code) of every ```python block of the pages in DOCS."""
     out = []
     for doc in DOCS:
         text = doc.read_text()
@@ -147,7 +150,10 @@ def test_links_between_pages_resolve():
                     bad.append(f"{rel(doc)}: {target}#{anchor}")
     assert not bad, bad
     linked = {(REPO / t).resolve() for t, _ in LINK.findall((REPO / "README.md").read_text())}
-    assert {p.resolve() for p in DOCS[1:]} <= linked, "every docs/ page is linked from README.md"
+    assert {p.resolve() for p in PAGES} <= linked, "every docs/ page is linked from README.md"
+    from_pages = {(doc.parent / t).resolve() for doc in PAGES for t, _ in LINK.findall(doc.read_text()) if t}
+    unlinked = [rel(r) for r in REPORTS if r.resolve() not in from_pages]
+    assert not unlinked, f"a report nobody links to: {unlinked}"
 
 
 # -- README: a front door -------------------------------------------------------------------------
