@@ -16,6 +16,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
+if os.environ.get("ATEN_CPU_CAPABILITY") == "default":
+    # The suite's second kernel path (issue 50). Under it inductor finds no vector ISA (pick_vec_isa() is invalid)
+    # yet still emits at::vec code for some reductions without its header: a C++ compile error inside torch 2.13
+    # (tests/test_compile.py's inductor step, measured). Scalar code (simdlen 1) is what that machine can run.
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 1
+
 
 def random_trajectory(
     gen: torch.Generator, prompt_len: int, N: int, vocab: int, mask_id: int, steps: int | None = None
