@@ -57,7 +57,15 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    what is missing. So ``Scorer``, ``score``, ``score_code`` and the harness task all refuse alike. A run that
    gets less than the probe found (its new root or an inode-limited tmpfs cannot be built) never runs the sample:
    the launcher stops first, and the result is an ``error`` with a one-line ``detail``, never a pass.
-7. **A maintained tool first**: ``bwrap`` (bubblewrap) when installed in a system directory
+7. **Verified from inside, never trusted by name** (:mod:`.verify`). Every flag above - ``isolation_support``'s
+   guarantees and level, each result's ``*_isolated`` / ``seccomp`` / ``weakened`` - comes from what the sample's
+   own process saw right before the candidate's code (the driver, in the process that then runs it): namespace
+   ids that differ from the evaluator's, the run's host marker file absent and ``/`` read-only, ``Seccomp: 2`` and
+   ``NoNewPrivs: 1``, a non-zero uid without capabilities, the rlimits, cgroup and inode-limited tmpfs. It sends
+   that as one line on its own pipe and closes it before the candidate starts; a required guarantee not held there
+   stops the run before the candidate (an ``error``), and a guarantee not shown is not held. The level line names
+   the program that built the sandbox (``bwrap <path> (<version>)`` or the in-house launcher).
+8. **A maintained tool first**: ``bwrap`` (bubblewrap) when installed in a system directory
    (:data:`.core.BWRAP_PATHS`, never looked up on PATH) and working (as root the launcher drops to
    nobody first, so bwrap runs unprivileged in its own user namespace); the in-house namespaces (:mod:`.launcher`)
    otherwise, with the same guarantees. An explicit backend that is not installed is refused in one line

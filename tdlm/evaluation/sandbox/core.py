@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from tdlm.errors import TDLMError
 
-from . import host
+from . import host, verify
 from .files import fd_with, read_capped, read_nonblocking, read_text, rmtree
 from .interpreter import NOBODY, can_drop_to_nobody, default_python
 from .launcher import LAUNCHER
@@ -92,7 +92,8 @@ class SandboxResult:
     program, or this run would have had less isolation than the probe found: then the sample never ran).
     ``returncode`` is negative for a signal. ``backend`` (bwrap | inhouse | none) and ``mechanism`` (cgroup-v2 |
     cgroup-v1 | rlimit-nofork | rlimit) say how the run was isolated and limited; ``weakened`` names the
-    :data:`GUARANTEES` this run did not get. ``checks``: per-assert verdicts (None without checks);
+    :data:`GUARANTEES` this run did not get. Every isolation flag is what the sample's own process saw before the
+    candidate's code (:mod:`.verify`), never the backend's name. ``checks``: per-assert verdicts (None without checks);
     ``detail``: a short escaped reason (the first failed assert, or the last line of stderr).
     """
 
@@ -302,18 +303,31 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
         os.chmod(root, 0o711)  # nobody may traverse root/ (weak mode's cwd) but not list it or read the outputs
         os.chown(work, plan.drop_to, plan.drop_to)
     out_path, err_path, val_path = (os.path.join(root, n) for n in ("stdout", "stderr", "values"))
+    # a host path that exists for this run only: the sample's process must not see it (filesystem, checked inside)
+    marker = os.path.join(root, "host-marker")
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    cpu_s = limits.cpu_s or math.ceil(limits.timeout_s) + 1
+    expect = verify.expectations(
+        backend=plan.backend, marker=marker, cgroup=cg.paths if cg is not None else None,
+        cgroup_kind=cg.kind if cg is not None else None, kmem=cg is not None and cg.kmem,
+        tmpfs_inodes=limits.tmpfs_inodes,
+        rlimits={"AS": limits.memory_bytes, "CPU": cpu_s, "FSIZE": limits.file_size_bytes,
+                 "NOFILE": limits.max_open_files, "NPROC": -1},
+        require=[k for k in GUARANTEES if k not in accepted] if accepted is not None else [],
+    )  # fmt: skip
     fds: list[int] = []
-    payload_fd = fd_with(marshal.dumps((code, calls)))
+    payload_fd = fd_with(marshal.dumps((code, calls, expect)))
     values_fd = os.open(val_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    fds += [payload_fd, values_fd] + ([seccomp_fd] if seccomp_fd is not None else [])
+    # the sample's process writes what holds inside on verify_w and closes it before the candidate's code runs
+    verify_r, verify_w = os.pipe()
+    fds += [payload_fd, values_fd, verify_w] + ([seccomp_fd] if seccomp_fd is not None else [])
     status_r, status_w = os.pipe()
     t0 = time.monotonic()
     timed_out = cpu_out = False
     returncode: int | None = None
     try:
         exe = plan.interp.exe if plan.interp is not None else (limits.python or sys.executable)
-        cpu_s = limits.cpu_s or math.ceil(limits.timeout_s) + 1
-        argv = [exe, "-I", "-S", "-B", "-c", DRIVER, f"{payload_fd},{values_fd}"]
+        argv = [exe, "-I", "-S", "-B", "-c", DRIVER, f"{payload_fd},{values_fd},{verify_w}"]
         cfg = {
             "status_fd": status_w, "backend": plan.backend, "drop_to": plan.drop_to,
             "cgroup_procs": cg.procs if cg is not None else [],
@@ -363,19 +377,22 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
             cpu_out = True
         status_text = read_nonblocking(status_r).decode("utf-8", errors="replace")
         status_r = -1
+        facts = verify.parse_facts(read_nonblocking(verify_r).decode("utf-8", errors="replace"))
+        verify_r = -1
         stdout = read_text(out_path, limits.output_bytes)
         stderr = read_text(err_path, limits.output_bytes)
         values_data, _ = read_capped(val_path, limits.value_bytes)
     finally:
         for fd in fds:
             os.close(fd)
-        if status_r >= 0:
-            os.close(status_r)
+        for r in (status_r, verify_r):
+            if r >= 0:
+                os.close(r)
         if cg is not None:
             cg.remove()
         rmtree(root)
     return _result(plan, limits, splits, test_imports, cg, nofork, notes, status_text, returncode, timed_out,
-                   cpu_out, seconds, stdout, stderr, values_data, accepted)  # fmt: skip
+                   cpu_out, seconds, stdout, stderr, values_data, accepted, facts, expect)  # fmt: skip
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float, cg: host.Cgroup | None, cpu_s: float) -> tuple[bool, bool]:
@@ -413,7 +430,8 @@ def _wait(proc: subprocess.Popen, timeout_s: float, cg: host.Cgroup | None, cpu_
 def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_imports: tuple[str, ...],
             cg: host.Cgroup | None, nofork: bool, notes: list[str], status_text: str, returncode: int | None,
             timed_out: bool, cpu_out: bool, seconds: float, stdout: str, stderr: str,
-            values_data: bytes, accepted: frozenset[str] | None = None) -> SandboxResult:  # fmt: skip
+            values_data: bytes, accepted: frozenset[str] | None = None, facts: dict | None = None,
+            expect: dict | None = None) -> SandboxResult:  # fmt: skip
     report: dict[str, Any] = {}
     exec_failed = ""
     for line in status_text.splitlines():
@@ -426,26 +444,14 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
             continue
         if isinstance(rec, dict):
             report.update(rec)
-    bw = plan.backend == "bwrap" and bool(report)
-    # bwrap either builds everything it was asked for or does not start the program (then the run is an error)
-    flags = {
-        "filesystem": bw or bool(report.get("fs")),
-        "network": bw or bool(report.get("net")),
-        "pid": bw or bool(report.get("pid")),
-        "ipc": bw or bool(report.get("ipc")),
-        "seccomp": plan.seccomp,
-        "privileges": bool(report.get("dropped")) or os.geteuid() != 0,
-    }
+    # What holds is what the sample's own process saw, right before the candidate's code (:mod:`.verify`): never
+    # the backend's name or what the launcher asked for. Nothing reported: nothing held.
+    if facts is not None and expect is not None:
+        flags = {k: bool(v) for k, v in verify.guarantees_held(facts, expect).items()}
+    else:
+        flags = dict.fromkeys(GUARANTEES, False)
     mechanism = cg.kind if cg is not None else ("rlimit-nofork" if plan.seccomp else "rlimit")
-    # the files of the sample's tmpfs are kernel memory: bounded by its inode limit (the in-house root, or the
-    # bwrap launcher's own tmpfs mounts), else by a cgroup that charges kernel memory; fail closed otherwise
-    own_tmpfs = bool(report.get("inodes")) if plan.backend == "bwrap" else flags["filesystem"]
-    inodes = own_tmpfs or (cg is not None and cg.kmem)
-    # TCP / UDP buffers: a cgroup v1 does not charge them (v2 does). bwrap's loopback is up: the filter refuses
-    # AF_INET / AF_INET6 there; the in-house network namespace's loopback stays down (no route, nothing buffered)
-    inet = (plan.seccomp if plan.backend == "bwrap" else flags["network"]) or mechanism == "cgroup-v2"
-    flags["limits"] = mechanism != "rlimit" and inodes and inet
-    backend = plan.backend if (bw or any(report.get(k) for k in ("fs", "net", "pid", "ipc"))) else "none"
+    backend = plan.backend if any(flags[k] for k in ("filesystem", "network", "pid", "ipc")) else "none"
     weakened = tuple(k for k in GUARANTEES if not flags[k])
     run_notes = [*notes, *(str(v) for v in (report.get("notes") or {}).values())]
     if report.get("fs_note") and str(report["fs_note"]) not in run_notes:
@@ -460,7 +466,7 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
         ok, verdicts, detail, completed, verdict_cpu = v.ok, v.verdicts, v.detail, v.completed, v.cpu_s
     # a guarantee this run lost after the probe (the launcher refuses to run the sample then; this is the backstop
     # for anything it cannot see): never scored, one line
-    lost = [k for k in weakened if k not in accepted] if accepted is not None and report else []
+    lost = [k for k in weakened if k not in accepted] if accepted is not None and facts is not None else []
     status: Status
     if exec_failed:
         status, stderr = "error", f"sandbox: {exec_failed}\n{stderr}"
@@ -468,7 +474,7 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
     elif timed_out or cpu_out or returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU):  # bwrap: 128 + signal
         status = "timeout"
     elif lost:
-        why = next((n for n in run_notes if n), "no note")
+        why = next((n for n in run_notes if n), "not held inside the sample's process")
         status = "error"
         detail = f"sandbox: this run lost {', '.join(lost)} after the probe ({why}); not scored"
     elif not report:
@@ -476,6 +482,9 @@ def _result(plan: _Plan, limits: SandboxLimits, splits: list | None, test_import
     elif plan.backend == "bwrap" and returncode != 0 and stderr.startswith("bwrap: ") and not stdout \
             and not values_data:  # fmt: skip
         status = "error"  # bubblewrap refused to build the sandbox: the program never ran (a sample cannot pass so)
+    elif facts is None:  # the sample's process never showed what holds: its candidate never ran, nothing passes
+        status = "error"
+        detail = f"sandbox: the sample's process did not report what holds inside (exit {returncode}); not scored"
     elif returncode == 0 and (splits is None or ok):
         status = "passed"
     else:
@@ -518,8 +527,10 @@ def isolation_support(limits: SandboxLimits | None = None) -> dict[str, Any]:
     """What the sandbox achieves on this machine (resolves the backend, runs one trivial program).
 
     Keys: ``works``; ``backend`` / ``mechanism`` (see :class:`SandboxResult`); ``guarantees`` (each of
-    :data:`GUARANTEES` -> bool); ``missing`` (the names this machine does not grant); ``level`` ("full" or
-    "weak: <names>", the one string for the evaluation record); ``notes`` (what the kernel / host refused);
+    :data:`GUARANTEES` -> bool: what the probe's own sample process saw held, :mod:`.verify`, never what its
+    backend is supposed to give); ``missing`` (the names this machine does not grant); ``level`` ("full; <tool>;
+    verified inside the sample" or "weak: <names>; ...", where <tool> is ``bwrap <path> (<its --version>)`` or the
+    in-house launcher: the one string for the evaluation record); ``notes`` (what the kernel / host refused);
     ``refusal`` (the one line MBPP scoring refuses with, "" when nothing is missing).
     """
     limits = limits or SandboxLimits()
@@ -541,11 +552,20 @@ def isolation_support(limits: SandboxLimits | None = None) -> dict[str, Any]:
         # the notes that say what the kernel refused first (user namespaces, bwrap), each shortened: one line
         key = ("CLONE_NEWUSER", "bwrap", "namespace", "seccomp", "nobody", "cgroup")
         ranked = sorted(notes, key=lambda n: next((i for i, k in enumerate(key) if k in n), len(key)))
-        why = "; ".join(excerpt(n, 160) for n in ranked[:3]) or "unknown"
+        # no note from the kernel or host: what the sample's own process saw is the reason (a backend that ran but
+        # did not isolate, verify.py)
+        why = "; ".join(excerpt(n, 160) for n in ranked[:3]) or f"not held inside the sample: {', '.join(missing)}"
         refusal = (f"sandbox: refusing to score code: missing {', '.join(missing)} ({why}); to get them: "
                    f"{_hint(missing, notes)}; or set allow_weak_sandbox: true / --allow-weak-sandbox to score "
                    "with weakened guarantees recorded in every row")  # fmt: skip
-    level = "full" if not missing else "weak: " + ",".join(missing)
+    # what ran is part of the record: a guarantee is what the sample's process saw (verify.py), so the line names
+    # the program that built it, never lets the name stand for the check
+    if plan.backend == "bwrap":
+        path = _bwrap_path() or "bwrap"
+        tool = f"bwrap {path} ({verify.bwrap_version(path)})"
+    else:
+        tool = "in-house launcher"
+    level = ("full" if not missing else "weak: " + ",".join(missing)) + f"; {tool}; verified inside the sample"
     return {"works": r.passed, "backend": r.backend, "mechanism": r.mechanism, "guarantees": guarantees,
             "missing": missing, "level": level, "notes": notes, "refusal": refusal}  # fmt: skip
 

@@ -175,6 +175,10 @@ def _own_cgroups() -> dict[str, str]:
     return own
 
 
+def _join(parent: str, name: str) -> str:
+    return parent.rstrip("/") + "/" + name
+
+
 def _write(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -190,6 +194,8 @@ class Cgroup:
     kill_file: str | None
     procs: list[str] = field(default_factory=list)
     kmem: bool = False  # charges kernel memory (inodes, dentries) to the sample: v2, or v1 with kmem accounting
+    # controller ("" for v2) -> the path /proc/self/cgroup shows for a member (checked inside the sample)
+    paths: dict[str, str] = field(default_factory=dict)
 
     def cpu_seconds(self) -> float:
         try:
@@ -252,6 +258,7 @@ class Cgroups:
         self.note = ""
         self._bases: dict[str, str] = {}
         mounts, own = _mounts(), _own_cgroups()
+        self._own = own
         notes = []
         v2 = next((m for m in mounts if m[1] == "cgroup2"), None)
         if v2 is not None and "" in own:
@@ -333,6 +340,7 @@ class Cgroups:
                 cg.remove()
                 raise
             cg.procs = [os.path.join(d, "cgroup.procs")]
+            cg.paths = {"": _join(self._own[""], name)}
             return cg
         dirs = {c: os.path.join(b, name) for c, b in self._bases.items()}
         cg = Cgroup("cgroup-v1", [], os.path.join(dirs["cpuacct"], "cpuacct.usage"), None)
@@ -350,6 +358,7 @@ class Cgroups:
             cg.remove()
             raise
         cg.procs = [os.path.join(d, "cgroup.procs") for d in dirs.values()]
+        cg.paths = {c: _join(self._own[c], name) for c in dirs}
         cg.kmem = os.path.exists(os.path.join(dirs["memory"], "memory.kmem.usage_in_bytes"))
         return cg
 

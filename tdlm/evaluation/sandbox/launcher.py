@@ -25,6 +25,9 @@ a small ``RLIMIT_SIGPENDING`` among them) -> then one of
   and an empty bounding set, else stop (a uid 0 without ``nobody`` mapped keeps no power); set ``no_new_privs``,
   install the seccomp filter, ``exec``;
 - ``none`` (only with ``allow_weak_sandbox``): rlimits, ``no_new_privs`` and the seccomp filter, nothing else.
+
+What the launcher reports is not what the run's guarantees are taken from: the sample's own process checks what
+holds after the exec (:mod:`.verify`), whatever bwrap or this launcher claimed.
 """
 
 LAUNCHER = r"""

@@ -55,6 +55,7 @@ from tdlm.errors import TDLMError
 from tdlm.tasks.mbpp import AssertPlan, imported_names, plan_assert
 
 from .trusted import BUDGETS, TRUSTED_FILE, import_env
+from .verify import SOURCE as VERIFY_SOURCE
 
 TRUSTED_TIMEOUT_S = 20.0  # wall clock of one trusted child (CPU-bounded by RLIMIT_CPU; this is for a stalled one)
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
@@ -300,10 +301,11 @@ def excerpt(text: str, n: int = 160) -> str:
 
 # The sample-side harness (runs in the sandbox as `python -I -S -B -c DRIVER <json>`, stdlib only). Its values are
 # only trusted as *values*: whatever it does to itself, it can only report plain data back.
-DRIVER = r"""
+DRIVER = VERIFY_SOURCE + r"""
+
 def _tdlm_driver():
     import _collections_abc, marshal, os, sys, types
-    payload_fd, out = (int(x) for x in sys.argv[1].split(","))
+    payload_fd, out, *verify_fd = (int(x) for x in sys.argv[1].split(","))
     chunks = []
     while True:
         c = os.read(payload_fd, 1 << 20)
@@ -311,8 +313,28 @@ def _tdlm_driver():
             break
         chunks.append(c)
     os.close(payload_fd)
-    program, calls = marshal.loads(b"".join(chunks))  # written by the trusted side
+    program, calls, *expect = marshal.loads(b"".join(chunks))  # written by the trusted side
     del chunks
+    # What holds, seen from here - after the namespaces, root, rlimits, uid drop and seccomp, before the candidate's
+    # code (tdlm/evaluation/sandbox/verify.py). The line is written and its pipe closed first: the candidate can
+    # neither write nor rewrite it. A required guarantee not held, or a report that cannot be sent: never run it.
+    # (The evaluator always sends both; the driver alone, as the wire tests run it, reports nothing - and a run
+    # that reports nothing is never scored.)
+    if expect:
+        expect = expect[0]
+        facts = sandbox_facts(expect)
+        try:
+            os.write(verify_fd[0], (repr(facts) + "\n").encode())
+            os.close(verify_fd[0])
+        except (OSError, IndexError):
+            os._exit(125)
+        held = guarantees_held(facts, expect)
+        missing = [k for k in expect["require"] if not held.get(k)]
+        if missing:
+            os.write(2, ("sandbox: not held inside the sample's process: " + ", ".join(missing) + "\n").encode())
+            os._exit(125)
+        del facts, held
+    del expect, verify_fd
     path = os.path.abspath("main.py")  # cwd: /tmp of the new root (weak mode: an empty host directory)
     try:
         with open(path, "w", encoding="utf-8") as f:  # for tracebacks / inspect; the run does not read it back
