@@ -17,6 +17,8 @@ from tdlm.temporal.history import HistoryPolicy
 
 POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
 STORAGE_PLANS = ("dynamic", "static")
+# What one torch.compile call covers (DecodeConfig.compile_scope): a whole step kind, or one repeated block.
+COMPILE_SCOPES = ("model", "block")
 
 
 @dataclass
@@ -33,6 +35,11 @@ class DecodeConfig:
     # torch.compile each step kind (fullgraph): False | True | "reduce-overhead" (+ CUDA graphs, CUDA only) |
     # "max-autotune" | "max-autotune-no-cudagraphs" | "eager" / "aot_eager" (dynamo's tracing-only backends)
     compile: bool | str = False
+    # What one compiled graph covers, with compile: "model" (each step kind whole: the backbone's forward and TDLM's
+    # evaluation, fullgraph; dynamo traces every layer, so a cold compile grows with depth) | "block" (the layer loop
+    # stays eager; the transformer block's attention and feed-forward and the temporal layer's step are each compiled
+    # once and reused by every layer, tdlm.decoding.loop.block_regions). "block" takes no CUDA-graph mode.
+    compile_scope: str = "model"
     # Where the state a step writes lives: "dynamic" (sized as the decode goes: history buckets, compaction,
     # finished rows leave the batch) | "static" (allocated once at its final size, fixed addresses reused across
     # decodes of a bucket: batch 1, 2, 4, 8, ... with padding rows, prompts padded to 32 tokens; rows stay in place
@@ -54,6 +61,7 @@ class DecodeConfig:
         if self.storage not in STORAGE_PLANS:
             raise TDLMError(f"decode storage {self.storage!r} unknown; expected one of {', '.join(STORAGE_PLANS)}")
         mode = check_compile(self.compile)
+        check_compile_scope(self.compile_scope, self.compile)
         if mode is not None and mode[1] in CUDA_GRAPH_MODES and self.cache != "none" and self.storage != "static":
             # The dynamic plan's first refresh creates the spatial KV cache inside the compiled step, so it is a
             # CUDA-graph output in the trees' pool; the next recorded call frees and reuses that memory, and the window
@@ -90,15 +98,15 @@ class DecodeConfig:
         return self
 
     def run_settings(self) -> dict:
-        """The fields :meth:`to_dict` leaves out of a run's identity (``compile``, ``storage``): how the decode runs,
-        not what it computes. A caller that sends :meth:`to_dict` to a worker must add these, or the worker decodes
-        eager and dynamic."""
-        return {"compile": self.compile, "storage": self.storage}
+        """The fields :meth:`to_dict` leaves out of a run's identity (``compile``, ``compile_scope``, ``storage``): how
+        the decode runs, not what it computes. A caller that sends :meth:`to_dict` to a worker must add these, or the
+        worker decodes eager and dynamic."""
+        return {"compile": self.compile, "compile_scope": self.compile_scope, "storage": self.storage}
 
     def to_dict(self) -> dict:
         """The settings as a dict; ``cache`` only when one is used and the credit / soft fields only for their policy,
         so other settings read as before those existed (run identities and trajectory ``decode_settings`` written
-        earlier still match); never ``compile`` or ``storage``."""
+        earlier still match); never ``compile``, ``compile_scope`` or ``storage``."""
         d = dataclasses.asdict(self)
         if d["cache"] == "none":
             del d["cache"]
@@ -106,6 +114,7 @@ class DecodeConfig:
             if name not in settings_of(self.policy):
                 del d[name]
         del d["compile"]  # how the same computation runs, not what it computes (tokens equal eager's)
+        del d["compile_scope"]  # likewise (block scope decodes eager's tokens with the tracing-only backends)
         del d["storage"]  # likewise: where the state lives (tokens, NFE and reveal steps equal the dynamic plan's)
         return d
 
@@ -124,6 +133,31 @@ COMPILE_CHOICES: dict = {
     "aot_eager": ("aot_eager", None),
 }
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+def check_compile_scope(scope, compile_value) -> str:
+    """``scope`` (DecodeConfig.compile_scope) checked alone and beside ``compile=compile_value``; one TDLMError line
+    each.
+
+    "block" refuses the CUDA-graph modes. Under it the layer loop runs eagerly between compiled regions, and every
+    layer calls the same region's graph with its own weights: cudagraph trees treat parameters as static inputs, so
+    each layer's call would be recorded as a graph of its own (a StaticInputIdxMismatch re-records,
+    torch/_inductor/cudagraph_trees.py), 32 recordings per region and step kind at 8B, with the eager code between
+    them mutating the regions' outputs in place (TDLM's correction). None of that has been recorded or replayed on
+    a GPU here, and the CUDA graphs' gain, no host work between kernels, is what the eager loop between regions
+    gives back; the model scope keeps them."""
+    if not isinstance(scope, str) or scope not in COMPILE_SCOPES:
+        raise TDLMError(f"decode compile_scope {scope!r} unknown; expected one of {', '.join(COMPILE_SCOPES)}")
+    try:
+        mode = check_compile(compile_value)
+    except TDLMError:
+        return scope  # a bad compile= is compile's own line (check_compile), not the scope's
+    if scope == "block" and mode is not None and mode[1] in CUDA_GRAPH_MODES:
+        raise TDLMError(f"compile={compile_value!r} captures CUDA graphs of a whole step, which "
+                        f"compile_scope='block' does not give (each layer would record the shared block's graph "
+                        f"anew); use compile_scope='model' with it, or compile=True with "
+                        f"compile_scope='block'")  # fmt: skip
+    return scope
+
 
 def triton_build_needs() -> str | None:
     """What triton's runtime lacks to build its launcher stub (a small C file that includes Python.h, compiled on

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tdlm.decoding.config import (  # noqa: F401 - re-exported: the settings' historical home
+    COMPILE_SCOPES,
     CUDA_GRAPH_MODES,
     POLICIES,
     STORAGE_PLANS,
@@ -56,8 +57,9 @@ from tdlm.decoding.config import (  # noqa: F401 - re-exported: the settings' hi
 from tdlm.decoding.plans import DynamicRows, StaticSlots
 from tdlm.decoding.static_plan import prompt_bucket
 from tdlm.errors import TDLMError
-from tdlm.models.common import Backbone
-from tdlm.models.kv_cache import CACHE_MODES, KVStep, SpatialKVCache
+from tdlm.models.common import Backbone, BlockRegions
+from tdlm.models.kv_cache import CACHE_MODES, KVStep, LayerKV, SpatialKVCache
+from tdlm.temporal.attention import TemporalAttention
 from tdlm.temporal.history import column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
 
@@ -183,6 +185,51 @@ def compiled_steps(backend: str, mode: str | None):
     return _COMPILED[key]
 
 
+def _block_attend(block: torch.nn.Module, x: torch.Tensor, ctx, slot: LayerKV | None) -> torch.Tensor:
+    return block.attend(x, ctx, slot)
+
+
+def _block_feed_forward(block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return block.feed_forward(h)
+
+
+def _temporal_step(module: TemporalAttention, *args, **kw):
+    return TemporalAttention.step(module, *args, **kw)
+
+
+def block_regions(backend: str, mode: str | None) -> BlockRegions:
+    """The regions of ``compile_scope="block"`` compiled with fullgraph=True, one set per (backend, mode) per process:
+    a block's attention (its layer's spatial KV storage passed in as tensors, :class:`tdlm.models.kv_cache.LayerKV`),
+    its feed-forward and the temporal layer's step (:meth:`tdlm.temporal.attention.TemporalAttention.step`).
+
+    Each is one function whose module is an argument; parameters are graph inputs (dynamo always inlines built-in
+    nn modules), so every layer's call hits the graph the first layer compiled, under guards on the step kind and
+    shapes: the cold compile of a decode is that of one block, whatever the depth (``bench/compile_scope.py``). The
+    loop, embedding, LM head and the temporal history's bookkeeping run eagerly between them."""
+    key = ("block", backend, mode)
+    if key not in _COMPILED:
+        kw = {"fullgraph": True, "backend": backend, **({"mode": mode} if mode else {})}
+        _COMPILED[key] = BlockRegions(attend=torch.compile(_block_attend, **kw),
+                                      feed_forward=torch.compile(_block_feed_forward, **kw),
+                                      temporal_step=torch.compile(_temporal_step, **kw))  # fmt: skip
+    return _COMPILED[key]
+
+
+@contextlib.contextmanager
+def _regions_on(backbone: Backbone, regions: BlockRegions | None):
+    """``backbone`` runs ``regions`` in its layer loop (:meth:`Backbone.layer`) inside the block; what it ran before
+    afterwards, also after an error (a later eager or model-scope decode of the same backbone must not run them)."""
+    if regions is None:
+        yield
+        return
+    before = backbone.block_regions
+    backbone.block_regions = regions
+    try:
+        yield
+    finally:
+        backbone.block_regions = before
+
+
 def window_front(blocks: Sequence[int], compacted_blocks: Sequence[int], compacted_masked: Sequence[int],
                  block_size: int, extra: int, length: int) -> int:
     """Host side: how many of the temporal history's first storage columns hold every masked position that the
@@ -288,7 +335,9 @@ def decode(
     block, after which dynamo makes it dynamic) and once when rows leave the batch (the batch size becomes
     dynamic); the history's bucket changes compile nothing (its slot count is dynamic from the start). So batch
     1, 256 tokens in blocks of 32: at most 3 graphs uncached, 4 with a cache, whatever the number of steps, blocks
-    or buckets. ``canvas`` continues partial responses: one list of ``gen_length`` token ids per prompt, the
+    or buckets. With ``compile_scope="block"`` the loop and these steps run eagerly and the kinds above are guards of
+    the compiled block regions instead (:func:`block_regions`): one graph per region and kind, shared by every layer.
+    ``canvas`` continues partial responses: one list of ``gen_length`` token ids per prompt, the
     backbone's mask id where the decode is to fill in (at least one per row); its other tokens stay, with reveal
     step 0, and NFE and reveal steps count from this decode (an on-policy roll-out, :mod:`tdlm.data.onpolicy`; the
     backbone's own policies only). ``seconds`` run from the request's admission to its end and exclude compilation:
@@ -345,13 +394,19 @@ def decode(
 
         bar = tqdm(total=n * cfg.gen_length, desc=f"decode[{cfg.policy}]", unit="tok", leave=False)
     results: list[DecodeResult | None] = [None] * n
-    steps, graphs, patch = None, False, contextlib.nullcontext()
-    if spec is not None:
+    steps, graphs, patch, regions = None, False, contextlib.nullcontext(), None
+    if spec is not None and cfg.compile_scope == "block":
+        # the loop and the step functions stay eager; the backbone's layers run the compiled regions. Inductor's
+        # temporal step takes the written-out attention, as the model scope's does (TDLM.evaluate_groups).
+        regions = block_regions(*spec)
+        steps = (_backbone_eval, _evaluate_written_out if spec[0] == "inductor" else None)
+    elif spec is not None:
         steps, graphs = compiled_steps(*spec), spec[1] in CUDA_GRAPH_MODES
+    if spec is not None:
         limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit,
                                            suppress_errors=False)  # fmt: skip
-    with patch:
+    with patch, _regions_on(backbone, regions):
         for group in groups:
             capacity = len(group) if batch_size is None else min(batch_size, len(group))
             run.group([prompts[i] for i in group], None if canvas is None else [canvas[i] for i in group], group,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
 from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS, DecodeConfig
+from tdlm.decoding.config import COMPILE_SCOPES, check_compile_scope
 from tdlm.decoding.reuse import REUSE_DEFAULTS
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
@@ -79,6 +80,9 @@ class EvalConfig:
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); the warm-up
     # decodes compile, so timed seconds exclude compilation
     compile: bool | str = DecodeConfig.compile
+    # what one compiled graph covers (tdlm.DecodeConfig.compile_scope): model | block (each transformer block and
+    # temporal layer compiled once for every layer: a cold compile that does not grow with depth; no CUDA-graph mode)
+    compile_scope: str = DecodeConfig.compile_scope
     # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (history, KV cache
     # and canvas allocated once per bucket at fixed addresses, what CUDA graphs need; no latent:M history). Tokens
     # equal: like compile, not part of a run's identity, so either resumes the other's runs
@@ -163,6 +167,10 @@ class EvalConfig:
         if self.histories is not None and not self.histories:
             raise TDLMError("histories: expected at least one (full, last:k, current) or None")
         cached = [c for p in pols for c in self.caches_for(p) if c != "none"]  # the caches some run decodes with
+        try:
+            check_compile_scope(self.compile_scope, self.compile)
+        except TDLMError as e:
+            raise TDLMError(f"compile_scope (--compile-scope): {e}") from None
         self._check_storage(pols, cached)
         DecodeConfig(cache=(cached or ["none"])[0], **self.decode_settings()).validate()  # the weights' ranges too
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -220,7 +228,7 @@ class EvalConfig:
         """The decode fields shared by every run (policy and thresholds are per run; a run's identity keeps the
         credit / soft weights only for its own policy, DecodeConfig.to_dict)."""
         return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos,
-                "compile": self.compile, "storage": self.storage,
+                "compile": self.compile, "compile_scope": self.compile_scope, "storage": self.storage,
                 **{k: getattr(self, k) for k in REUSE_DEFAULTS}}  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -344,6 +352,7 @@ FLAGS: dict[str, Flag] = {
     "histories": Flag(name="--history", group=GRID), "caches": Flag(name="--cache", choices=CACHE_MODES, group=GRID),
     "cache_policies": Flag(choices=POLICIES, group=GRID), "gen_length": Flag(group=GRID),
     "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID), "storage": Flag(choices=STORAGE_PLANS),
+    "compile_scope": Flag(choices=COMPILE_SCOPES),
     **{k: Flag(group=GRID) for k in ("credit_thresholds", "soft_thresholds", *REUSE_DEFAULTS)},
     **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
                                     "max_task_retries", "max_shard_attempts", "head_timeout_s")},

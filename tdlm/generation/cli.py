@@ -11,6 +11,7 @@ import sys
 
 from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
 from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS
+from tdlm.decoding.config import COMPILE_SCOPES
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
 from tdlm.generation.driver import HeadLost, generate
@@ -30,6 +31,7 @@ FLAGS: dict[str, Flag] = {
     "policy": Flag(choices=POLICIES, group=DECODING), "threshold": Flag(name="--tau", group=DECODING),
     **{k: Flag(group=DECODING) for k in ("entropy_threshold", "gen_length", "block_size", "stop_at_eos", "compile")},
     "cache": Flag(choices=CACHE_MODES, group=DECODING), "storage": Flag(choices=STORAGE_PLANS, group=DECODING),
+    "compile_scope": Flag(choices=COMPILE_SCOPES, group=DECODING),
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
     **{k: Flag(group=ROLLOUT) for k in ("switch", "switch_seed", "round", "adapter_version", "gap_prompts")},
     "teacher_policy": Flag(choices=[p for p in POLICIES if p != "tdlm"], group=ROLLOUT),

@@ -23,6 +23,7 @@ from tdlm.data.contamination import check_prompt_source
 from tdlm.data.prompts import Prompt, PromptSource, prompts_digest
 from tdlm.data.trajectories import SCHEMA_VERSION
 from tdlm.decoding import DecodeConfig
+from tdlm.decoding.config import check_compile_scope
 from tdlm.errors import TDLMError
 
 
@@ -74,6 +75,9 @@ class GenerationConfig:
     batch_size: int = 1408
     # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); tokens equal
     compile: bool | str = DecodeConfig.compile
+    # what one compiled graph covers (tdlm.DecodeConfig.compile_scope): model | block (each transformer block and
+    # temporal layer compiled once for every layer: a cold compile that does not grow with depth; no CUDA-graph mode)
+    compile_scope: str = DecodeConfig.compile_scope
     # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (history, KV cache
     # and canvas allocated once per bucket at fixed addresses, what CUDA graphs need; no latent:M adapter); tokens equal
     storage: str = DecodeConfig.storage
@@ -98,6 +102,7 @@ class GenerationConfig:
             stop_at_eos=self.stop_at_eos,
             cache=self.cache,
             compile=self.compile,
+            compile_scope=self.compile_scope,
             storage=self.storage,
         )
 
@@ -114,6 +119,10 @@ class GenerationConfig:
         h = self.entropy_threshold
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h < float("inf"):
             raise TDLMError(f"entropy_threshold (--entropy-threshold, H) must be a positive number; got {h!r}")
+        try:
+            check_compile_scope(self.compile_scope, self.compile)
+        except TDLMError as e:
+            raise TDLMError(f"compile_scope (--compile-scope): {e}") from None
         try:
             DecodeConfig(storage=self.storage, cache=self.cache, compile=self.compile).validate()
         except TDLMError as e:
@@ -192,7 +201,7 @@ class GenerationConfig:
     def run_settings(self) -> dict:
         names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
                  "max_restarts", "max_task_retries", "max_shard_attempts", "head_timeout_s", "allow_eval_prompts",
-                 "allow_other_backbone", "compile", "storage")  # fmt: skip
+                 "allow_other_backbone", "compile", "compile_scope", "storage")  # fmt: skip
         return {n: getattr(self, n) for n in names}
 
     def to_dict(self) -> dict:

@@ -66,6 +66,9 @@ class HarnessConfig:
     history: str | None = None  # tdlm history restriction (None = the adapter's own)
     cache: str = "none"  # spatial KV cache: none | prefix | dual
     compile: bool | str = False  # torch.compile the decode step: false | true | reduce-overhead (tdlm.DecodeConfig)
+    # what one compiled graph covers (tdlm.DecodeConfig.compile_scope): model | block (each transformer block and
+    # temporal layer compiled once for every layer: a cold compile that does not grow with depth; no CUDA-graph mode)
+    compile_scope: str = "model"
     # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (fixed addresses,
     # what CUDA graphs need; no latent:M history); tokens equal
     storage: str = "dynamic"
@@ -99,10 +102,12 @@ class HarnessConfig:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise bad("dtype", "float32, bfloat16 or float16", self.dtype)
         from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS
+        from tdlm.decoding.config import COMPILE_SCOPES
         from tdlm.temporal.history import HistoryPolicy
 
         for name, value, allowed in (("policy", self.policy, POLICIES), ("cache", self.cache, CACHE_MODES),
-                                     ("storage", self.storage, STORAGE_PLANS)):
+                                     ("storage", self.storage, STORAGE_PLANS),
+                                     ("compile_scope", self.compile_scope, COMPILE_SCOPES)):
             if value is not None and value not in allowed:
                 near = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
                 raise bad(name, " | ".join(allowed) + (f"; did you mean {name}={near[0]}?" if near else ""), value)
@@ -144,7 +149,7 @@ class HarnessConfig:
         return DecodeConfig(policy=self.resolved_policy(), gen_length=self.gen_length, block_size=self.block_size,
                             threshold=self.threshold, entropy_threshold=self.entropy_threshold,
                             stop_at_eos=self.stop_at_eos, cache=self.cache, compile=self.compile,
-                            storage=self.storage,
+                            compile_scope=self.compile_scope, storage=self.storage,
                             **{k: getattr(self, k) for k in REUSE_FIELDS if getattr(self, k) is not None})
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tdlm.errors import TDLMError
-from tdlm.models.kv_cache import KVStep
+from tdlm.models.kv_cache import KVStep, LayerKV
 
 # insert(layer_index, h) -> h~ ; h is (B, L, d), after spatial attention, before the FFN.
 InsertFn = Callable[[int, torch.Tensor], torch.Tensor]
@@ -100,23 +100,38 @@ def bidirectional_attention(
 
 
 def spatial_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: int | LayerKV | None = None
 ) -> torch.Tensor:
     """Bidirectional attention of the computed positions (rotated q (B, H, W, hd), k/v (B, Hkv, W, hd)).
 
     Without a spatial KV cache W = L and this is :func:`bidirectional_attention`. A refresh stores k, v of
     ``layer`` and attends as usual; a window step attends over all L keys: the cached ones with the
-    window's fresh entries written in (:meth:`tdlm.models.kv_cache.SpatialKVCache.merged`).
+    window's fresh entries written in (:meth:`tdlm.models.kv_cache.LayerKV.merged`). ``layer``: the layer index,
+    or that layer's storage already looked up (:meth:`tdlm.models.kv_cache.SpatialKVCache.slot`; a block compiled
+    once for every layer gets it so, see :meth:`Backbone.layer`).
     """
     kv = ctx.kv
     if kv is not None:
         if layer is None:
             raise TDLMError("a forward with a spatial KV cache must pass the layer index to attend(x, ctx, layer)")
+        slot = layer if isinstance(layer, LayerKV) else kv.cache.slot(layer, kv, k.shape, k.dtype, k.device)
         if kv.refresh:
-            kv.cache.store(layer, k, v, kv.rows)
+            slot.write(k, v, kv.rows)
         else:
-            k, v = kv.cache.merged(layer, k, v, kv)
+            k, v = slot.merged(k, v, kv)
     return bidirectional_attention(q, k, v, ctx.attn_mask)
+
+
+@dataclass(frozen=True)
+class BlockRegions:
+    """A backbone's repeated pieces compiled once and reused by every layer (decode ``compile_scope="block"``,
+    :func:`tdlm.decoding.loop.block_regions`): the layer loop stays eager and calls these in place of the block's
+    own methods (:meth:`Backbone.layer`). Dynamo caches one graph per step kind for the shared code; parameters are
+    graph inputs, so layer 31 reuses layer 0's graph."""
+
+    attend: Callable  # (block, x, ctx, layer_kv: LayerKV | None) -> h: block.attend
+    feed_forward: Callable  # (block, h) -> block.feed_forward(h)
+    temporal_step: Callable | None = None  # (module, *args, **kw) -> TemporalAttention.step(module, *args, **kw)
 
 
 class Backbone(nn.Module):
@@ -147,6 +162,9 @@ class Backbone(nn.Module):
     rope_full_precision: bool = False
     backbone_id: str = ""
     supports_kv_cache: bool = False  # blocks call spatial_attention with their layer index (tdlm/models/kv_cache.py)
+    # The compiled regions :meth:`layer` runs instead of the block's methods; set by a decode with
+    # compile_scope="block" for its duration only (tdlm.decoding.loop.block_regions), None otherwise.
+    block_regions: BlockRegions | None = None
 
     blocks: nn.ModuleList
 
@@ -255,8 +273,23 @@ class Backbone(nn.Module):
     def layer(
         self, index: int, x: torch.Tensor, ctx: ForwardContext, insert: InsertFn | None = None
     ) -> torch.Tensor:
-        """One block: spatial attention, the Eq. 2 insertion point, then the feed-forward sublayer."""
+        """One block: spatial attention, the Eq. 2 insertion point, then the feed-forward sublayer.
+
+        With :attr:`block_regions` set (a decode with ``compile_scope="block"``) the attention and the feed-forward
+        run as the compiled regions shared by every layer; the layer's spatial KV storage is looked up (or
+        allocated) here, eagerly, so the index never enters the compiled graph."""
         block = self.blocks[index]
+        regions = self.block_regions
+        if regions is not None:
+            kv = ctx.kv
+            slot = None
+            if kv is not None:  # a refresh computes the whole canvas: k, v (B, H_kv, L, hd) in the stream's dtype
+                slot = kv.cache.slot(index, kv, (x.shape[0], self.kv_heads, x.shape[1], self.head_dim), x.dtype,
+                                     x.device)  # fmt: skip
+            h = regions.attend(block, x, ctx, slot)
+            if insert is not None:
+                h = insert(index, h)
+            return regions.feed_forward(block, h)
         h = block.attend(x, ctx) if ctx.kv is None else block.attend(x, ctx, index)  # (B, L, d): h_{l,p}(S_i)
         if insert is not None:
             h = insert(index, h)  # h~_{l,p}(S_i)

@@ -25,6 +25,7 @@ from torch import nn
 
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone, ForwardContext, RMSNorm, apply_rope, spatial_attention
+from tdlm.models.kv_cache import LayerKV
 
 
 @dataclass
@@ -88,7 +89,7 @@ class DreamAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
 
-    def forward(self, a: torch.Tensor, ctx: ForwardContext, layer: int | None = None) -> torch.Tensor:
+    def forward(self, a: torch.Tensor, ctx: ForwardContext, layer: int | LayerKV | None = None) -> torch.Tensor:
         B, L, _ = a.shape
         q = self.q_proj(a).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
         k = self.k_proj(a).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, L, hd)
@@ -117,7 +118,7 @@ class DreamLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DreamMLP(cfg)
 
-    def attend(self, x: torch.Tensor, ctx: ForwardContext, layer: int | None = None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, ctx: ForwardContext, layer: int | LayerKV | None = None) -> torch.Tensor:
         """x + attention of the computed positions (all L, or a window of W with the spatial KV cache of ``layer``)."""
         return x + self.self_attn(self.input_layernorm(x), ctx, layer)
 

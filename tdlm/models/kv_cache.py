@@ -74,42 +74,35 @@ class SpatialKVCache:
                 torch._dynamo.mark_static_address(store[layer])
         self.static = True
 
+    def slot(self, layer: int, step: KVStep, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+             device: torch.device | str) -> LayerKV:  # fmt: skip
+        """``layer``'s keys and values as a :class:`LayerKV` for ``step``, whose k, v have ``shape`` (b, H_kv, W, d_h)
+        (a refresh: W = L). A refresh of every row allocates the layer's storage when it has none or the batch's
+        shape changed (otherwise the storage of one request batch stays put from block to block: a compiled refresh
+        mutates its inputs instead of handing out new tensors, which CUDA graphs need); a refresh of some rows
+        allocates zeros for the whole batch once; a window step reads what a refresh stored."""
+        if not step.refresh:
+            if layer not in self.keys:
+                raise TDLMError(f"spatial KV cache has no entries for layer {layer}; a block starts with a refresh")
+        elif step.rows is None:
+            if shape[0] != self.batch_size:
+                raise TDLMError(f"spatial KV cache holds {self.batch_size} rows; a refresh gave {shape[0]}")
+            if layer not in self.keys or self.keys[layer].shape != shape:
+                self.keys[layer] = torch.empty(shape, dtype=dtype, device=device)
+                self.values[layer] = torch.empty(shape, dtype=dtype, device=device)
+        elif layer not in self.keys:  # (a static cache has every layer from the start: no allocation here)
+            self.keys[layer] = torch.zeros((self.batch_size, *shape[1:]), dtype=dtype, device=device)
+            self.values[layer] = torch.zeros((self.batch_size, *shape[1:]), dtype=dtype, device=device)
+        return LayerKV(self.keys[layer], self.values[layer])
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None) -> None:
         """Refresh: keep the full-canvas k, v (b, H_kv, L, d_h) of ``layer`` for ``rows`` (None = every row)."""
-        if rows is None:
-            if k.shape[0] != self.batch_size:
-                raise TDLMError(f"spatial KV cache holds {self.batch_size} rows; a refresh gave {k.shape[0]}")
-            if layer in self.keys and self.keys[layer].shape == k.shape:
-                # In place: the storage of one request batch stays put from block to block (a compiled
-                # refresh mutates its inputs instead of handing out new tensors; CUDA graphs need that).
-                self.keys[layer].copy_(k)
-                self.values[layer].copy_(v)
-            else:
-                self.keys[layer], self.values[layer] = k.clone(), v.clone()
-            return
-        if layer not in self.keys:  # (a static cache has every layer from the start: no allocation here)
-            self.keys[layer] = k.new_zeros((self.batch_size, *k.shape[1:]))
-            self.values[layer] = v.new_zeros((self.batch_size, *v.shape[1:]))
-        self.keys[layer][rows] = k
-        self.values[layer][rows] = v
+        self.slot(layer, KVStep(self, True, rows), k.shape, k.dtype, k.device).write(k, v, rows)
 
     def merged(self, layer: int, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window step: the cached k, v of ``step.rows`` with the window's fresh entries written in.
-
-        k, v (b, H_kv, W, d_h) are the window's new keys/values; returns (b, H_kv, L, d_h).
-        """
-        if layer not in self.keys:
-            raise TDLMError(f"spatial KV cache has no entries for layer {layer}; a block starts with a refresh")
-        K, V = self.keys[layer], self.values[layer]
-        if step.rows is not None:
-            K, V = K[step.rows], V[step.rows]  # a copy: the window's entries never outlive this step
-        idx = step.positions()[:, None, :, None].expand(-1, K.shape[1], -1, K.shape[3])
-        fresh = step.fresh()
-        if fresh is not None:  # prefix with rows in different blocks: keep cached entries before a row's window
-            keep = ~fresh[:, None, :, None]
-            k = torch.where(keep, K.gather(2, idx), k)
-            v = torch.where(keep, V.gather(2, idx), v)
-        return K.scatter_(2, idx, k), V.scatter_(2, idx, v)
+        """Window step: the cached k, v of ``step.rows`` with the window's fresh entries written in
+        (:meth:`LayerKV.merged`); k, v (b, H_kv, W, d_h), returns (b, H_kv, L, d_h)."""
+        return self.slot(layer, step, k.shape, k.dtype, k.device).merged(k, v, step)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in ``index`` (finished requests leave the batch)."""
@@ -135,6 +128,45 @@ class SpatialKVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())
+
+
+@dataclass
+class LayerKV:
+    """One layer's keys and values (B, H_kv, L, d_h) of a :class:`SpatialKVCache`, as tensors
+    (:meth:`SpatialKVCache.slot`).
+
+    What a block compiled once for every layer reads and writes (decode ``compile_scope="block"``,
+    :meth:`tdlm.models.common.Backbone.layer`): a layer index inside the compiled block would be a constant of its
+    graph (dynamo guards on the int and on the dict lookup it keys), so every layer would compile a graph of its own.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Refresh: the full-canvas k, v (b, H_kv, L, d_h) of ``rows`` (None = every row) into the storage, in place."""
+        if rows is None:
+            self.keys.copy_(k)
+            self.values.copy_(v)
+        else:
+            self.keys[rows] = k
+            self.values[rows] = v
+
+    def merged(self, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window step: the cached k, v of ``step.rows`` with the window's fresh entries written in.
+
+        k, v (b, H_kv, W, d_h) are the window's new keys/values; returns (b, H_kv, L, d_h).
+        """
+        K, V = self.keys, self.values
+        if step.rows is not None:
+            K, V = K[step.rows], V[step.rows]  # a copy: the window's entries never outlive this step
+        idx = step.positions()[:, None, :, None].expand(-1, K.shape[1], -1, K.shape[3])
+        fresh = step.fresh()
+        if fresh is not None:  # prefix with rows in different blocks: keep cached entries before a row's window
+            keep = ~fresh[:, None, :, None]
+            k = torch.where(keep, K.gather(2, idx), k)
+            v = torch.where(keep, V.gather(2, idx), v)
+        return K.scatter_(2, idx, k), V.scatter_(2, idx, v)
 
 
 @dataclass

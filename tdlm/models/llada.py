@@ -21,6 +21,7 @@ from torch import nn
 
 from tdlm.errors import TDLMError
 from tdlm.models.common import Backbone, ForwardContext, RMSNorm, apply_rope, spatial_attention
+from tdlm.models.kv_cache import LayerKV
 
 
 @dataclass
@@ -89,7 +90,7 @@ class LLaDABlock(nn.Module):
         self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)  # down
 
-    def attend(self, x: torch.Tensor, ctx: ForwardContext, layer: int | None = None) -> torch.Tensor:
+    def attend(self, x: torch.Tensor, ctx: ForwardContext, layer: int | LayerKV | None = None) -> torch.Tensor:
         """x + attention of the computed positions (all L, or a window of W with the spatial KV cache of ``layer``)."""
         B, L, _ = x.shape
         a = self.attn_norm(x)

@@ -437,6 +437,9 @@ class TDLM(nn.Module):
             biases = TemporalAttention.step_biases([self.temporal[str(i)] for i in self.layer_ids], allowed)
         order = {layer: k for k, layer in enumerate(self.layer_ids)}
         tables: dict = {}  # this evaluation's temporal RoPE tables, computed at the first temporal layer
+        # decode compile_scope="block": every temporal layer runs the one compiled step (tdlm.decoding.loop)
+        regions = self.backbone.block_regions
+        step = TemporalAttention.step if regions is None or regions.temporal_step is None else regions.temporal_step
 
         def insert(layer: int, h: torch.Tensor) -> torch.Tensor:
             mod = self.temporal[str(layer)] if str(layer) in self.temporal else None
@@ -456,13 +459,13 @@ class TDLM(nn.Module):
             if "rope" not in tables:  # R(r) tables: one per evaluation, shared by the temporal layers
                 tables["rope"] = mod.step_rope(r)
             if self.policy.kind == "current":
-                z, _ = mod.step(hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
+                z, _ = step(mod, hr, r, None, own=m, rope=tables["rope"], masked=mcol)  # (b, N or W, d_t)
             else:
                 store = layer_history(cache, layer, g.rows, plan)  # a view of the storage unless rows are gathered
                 history = None if store is None else (store, allowed)
                 bias = None if biases is None else biases[order[layer]]
                 # Eq. 7-9: 1 matmul, rope, SDPA
-                z, kv = mod.step(hr, r, history, rope=tables["rope"], bias=bias, written_out=written_out)
+                z, kv = step(mod, hr, r, history, rope=tables["rope"], bias=bias, written_out=written_out)
                 pending.setdefault(layer, []).append((g.rows, plan.target, kv, m))
                 if z is None:
                     return h
