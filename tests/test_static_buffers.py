@@ -156,28 +156,30 @@ def _record_writes(monkeypatch) -> list[dict[str, int]]:
     (a tensor whose content is equal before and after is not counted: mutation is read from the content, because
     inference tensors keep no version counter)."""
     calls: list[dict[str, int]] = []
+
+    def around(fn, args):
+        reach: dict[str, torch.Tensor] = {}
+        _tensors(list(args[1:]), "args", reach, set())
+        by_ptr = {}
+        for name, t in reach.items():  # one name per storage: a tensor reached twice is one tensor
+            by_ptr.setdefault((t.data_ptr(), t.shape, t.stride()), (name, t))
+        before = {k: t.clone() for k, (_, t) in by_ptr.items()}
+        out = fn(*args)
+        calls.append({name: k[0] for k, (name, t) in by_ptr.items() if not torch.equal(before[k], t)})
+        return out
+
+    _around_compiled_steps(monkeypatch, around)
+    return calls
+
+
+def _around_compiled_steps(monkeypatch, around) -> None:
+    """Every call of either compiled step (backbone, TDLM) of the decodes that follow runs as ``around(step, args)``."""
     real = loop.compiled_steps
 
-    def wrap(fn):
-        def run(*args):
-            reach: dict[str, torch.Tensor] = {}
-            _tensors(list(args[1:]), "args", reach, set())
-            by_ptr = {}
-            for name, t in reach.items():  # one name per storage: a tensor reached twice is one tensor
-                by_ptr.setdefault((t.data_ptr(), t.shape, t.stride()), (name, t))
-            before = {k: t.clone() for k, (_, t) in by_ptr.items()}
-            out = fn(*args)
-            calls.append({name: k[0] for k, (name, t) in by_ptr.items() if not torch.equal(before[k], t)})
-            return out
-
-        return run
-
     def steps(backend, mode):
-        backbone_step, tdlm_step = real(backend, mode)
-        return wrap(backbone_step), wrap(tdlm_step)
+        return tuple((lambda fn: lambda *args: around(fn, args))(step) for step in real(backend, mode))
 
     monkeypatch.setattr(loop, "compiled_steps", steps)
-    return calls
 
 
 def _name(path: str) -> str:
@@ -303,25 +305,17 @@ def _record_arguments(monkeypatch) -> list[dict[str, tuple[int, bool, bool]]]:
     """Per call of a compiled step: every tensor argument (what the step reads as well as what it writes), named by
     where the step reached it, as (address, marked static (:func:`_marked`), the call changed it)."""
     calls: list[dict[str, tuple[int, bool, bool]]] = []
-    real = loop.compiled_steps
 
-    def wrap(fn):
-        def run(*args):
-            reach: dict[str, torch.Tensor] = {}
-            _tensors(list(args[1:]), "args", reach, set())
-            before = {name: t.clone() for name, t in reach.items()}
-            out = fn(*args)
-            calls.append({_name(name): (t.data_ptr(), _marked(t), not torch.equal(before[name], t))
-                          for name, t in reach.items()})  # fmt: skip
-            return out
+    def around(fn, args):
+        reach: dict[str, torch.Tensor] = {}
+        _tensors(list(args[1:]), "args", reach, set())
+        before = {name: t.clone() for name, t in reach.items()}
+        out = fn(*args)
+        calls.append({_name(name): (t.data_ptr(), _marked(t), not torch.equal(before[name], t))
+                      for name, t in reach.items()})  # fmt: skip
+        return out
 
-        return run
-
-    def steps(backend, mode):
-        backbone_step, tdlm_step = real(backend, mode)
-        return wrap(backbone_step), wrap(tdlm_step)
-
-    monkeypatch.setattr(loop, "compiled_steps", steps)
+    _around_compiled_steps(monkeypatch, around)
     return calls
 
 
