@@ -98,3 +98,44 @@ def exit_with(main: Callable[[], int]) -> None:
     except TDLMError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+# -- comparing against older code (decode_speed, sandbox_throughput, dispatch_count) -------------------------------
+AGAINST_HELP = ("older code to measure beside today's: a git revision of this repository, or a folder holding an "
+                "older checkout (its tdlm/)")
+
+
+def add_against(ap, what: str) -> None:
+    """The one ``--against REF`` flag of every bench that compares with older code; ``what`` says what the bench
+    measures of it. :func:`older_tree` turns REF into a folder."""
+    ap.add_argument("--against", default=None, metavar="REF", help=f"{AGAINST_HELP}: {what}")
+
+
+def older_tree(ref: str, paths: tuple[str, ...] = ("tdlm",)) -> Path:
+    """The folder of the older code ``--against REF`` names. A folder is an older checkout (or a copy holding its
+    ``tdlm/``) and is used as it is; anything else is a git revision of this repository, whose ``paths`` are
+    exported (``git archive``, so no worktree or stash touches this checkout) into a fresh temporary folder, removed
+    when the process exits. A revision git cannot show is a one-line TDLMError."""
+    import atexit
+    import io
+    import shutil
+    import subprocess
+    import tarfile
+    import tempfile
+
+    from tdlm.errors import TDLMError
+
+    if Path(ref).is_dir():
+        return Path(ref).resolve()
+    try:
+        tar = subprocess.run(["git", "archive", "--format=tar", ref, "--", *paths], cwd=REPO, check=True,
+                             capture_output=True).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as e:
+        said = (getattr(e, "stderr", None) or b"").decode(errors="replace").strip().splitlines()
+        raise TDLMError(f"--against {ref}: neither a folder nor a git revision holding {', '.join(paths)} "
+                        f"({said[-1] if said else e})") from None  # fmt: skip
+    out = Path(tempfile.mkdtemp(prefix=f"tdlm_at_{ref.replace('/', '_')}_"))
+    atexit.register(shutil.rmtree, out, True)  # the bench's children ran from it; nothing reads it afterwards
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        tf.extractall(out, filter="data")
+    return out

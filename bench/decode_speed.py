@@ -8,7 +8,7 @@ Commands (from the repository root, venv active)::
     python bench/decode_speed.py --quick                 # small shapes, 2 rounds; prints only unless --out is given
     python bench/decode_speed.py --storage dynamic,static # the static storage plan beside the dynamic one (issue 41)
                                                          #   -> bench/results/decode_speed_storage.json
-    python bench/decode_speed.py --against REV           # the decoding loop of git revision REV beside today's
+    python bench/decode_speed.py --against REF           # the decoding loop of REF (revision or folder) beside today's
                                                          #   -> bench/results/decode_speed_against.json
 
 **Settings.**
@@ -39,10 +39,11 @@ need) as candidates ``backbone@static`` and ``tdlm@static`` beside the dynamic p
 static / dynamic per NFE for each method and mode; the CPU rule: a plan that runs by default may not be more than 5%
 slower per NFE than the other (``static_within_5pct``), else the CPU keeps the dynamic default.
 
-``--against REV`` adds the candidates ``backbone@REV`` and ``tdlm@REV``: the same decodes through
-``tdlm/decoding/loop.py`` as it was at git revision REV (loaded from ``git show`` into a module of its own; every other
-module is today's), beside today's loop in the same rounds, and reports today / REV per NFE (a change of the loop may
-not slow the plan that runs by default by more than 5%: ``now_within_5pct``).
+``--against REF`` (every bench's flag for older code, ``benchlib.add_against``: a git revision or a folder holding an
+older checkout) adds the candidates ``backbone@REF`` and ``tdlm@REF``: the same decodes through
+``tdlm/decoding/loop.py`` as it was there (``git archive`` of that one file, loaded into a module of its own; every
+other module is today's), beside today's loop in the same rounds, and reports today / REF per NFE (a change of the
+loop may not slow the plan that runs by default by more than 5%: ``now_within_5pct``).
 
 ``--profile`` adds, per setting, the self CPU time per evaluation of every aten op (eager) and of every inductor
 kernel (compiled, ``torch._inductor.config.cpp.enable_kernel_profile``) for one decode of each method, and the
@@ -61,7 +62,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import torch  # noqa: E402
-from benchlib import machine, write_result  # noqa: E402  (bench/ is on sys.path as a script)
+from benchlib import add_against, machine, older_tree, write_result  # noqa: E402  (bench/ is on sys.path as a script)
 from timing import interleaved, ratio, summary  # noqa: E402
 
 import tdlm  # noqa: E402
@@ -78,21 +79,21 @@ STORAGE_RESULTS = REPO / "bench" / "results" / "decode_speed_storage.json"
 AGAINST_RESULTS = REPO / "bench" / "results" / "decode_speed_against.json"
 
 
-def loop_at(rev: str):
-    """``tdlm/decoding/loop.py`` as it was at git revision ``rev``, as a module of its own (its imports are today's)."""
-    import subprocess
+def loop_at(ref: str):
+    """``tdlm/decoding/loop.py`` of the older code ``--against REF`` names (a git revision or a folder: benchlib's
+    ``older_tree``), as a module of its own (its imports are today's)."""
     import types
 
-    try:
-        src = subprocess.run(["git", "show", f"{rev}:tdlm/decoding/loop.py"], cwd=REPO, check=True,
-                             capture_output=True, text=True).stdout  # fmt: skip
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise TDLMError(f"--against {rev}: git cannot show tdlm/decoding/loop.py at that revision ({e})") from None
-    mod = types.ModuleType(f"tdlm_decoding_loop_at_{rev}")
-    mod.__file__ = f"{rev}:tdlm/decoding/loop.py"
+    path = older_tree(ref, ("tdlm/decoding/loop.py",)) / "tdlm" / "decoding" / "loop.py"
+    if not path.is_file():
+        raise TDLMError(f"--against {ref}: {path} is not a file")
+    mod = types.ModuleType(f"tdlm_decoding_loop_at_{Path(ref).name or ref}")
+    mod.__file__ = f"{ref}:tdlm/decoding/loop.py"
     sys.modules[mod.__name__] = mod  # dataclasses look their module up there
-    exec(compile(src, mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - this repository's own history
+    exec(compile(path.read_text(), mod.__file__, "exec"), mod.__dict__)  # noqa: S102 - this repository's own history
     return mod
+
+
 MODES = (("eager", False), ("compiled", True))
 
 
@@ -329,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="batch 8, medium 64 + 64, 2 rounds")
     ap.add_argument("--storage", default="dynamic", help="dynamic, or dynamic,static: the static storage plan's "
                     "candidates beside the dynamic plan's (JSON to bench/results/decode_speed_storage.json)")
-    ap.add_argument("--against", default=None, metavar="REV", help="also decode through tdlm/decoding/loop.py at git "
-                    "revision REV, side by side (JSON to bench/results/decode_speed_against.json)")
+    add_against(ap, "the same decodes through its tdlm/decoding/loop.py, side by side (JSON to "
+                "bench/results/decode_speed_against.json)")
     ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS.relative_to(REPO)}; none with --quick)")
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:

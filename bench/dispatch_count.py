@@ -26,6 +26,7 @@ adds a what-if count (``compiled_backbone_addmm``, LLaDA only): the backbone's a
 not made here).
 
 Usage:  python bench/dispatch_count.py [--out bench/results/dispatch_count.json] [--no-compiled] [--backbone-addmm]
+        [--against REF: older code's eager counts beside today's] [--carry OLD.json]
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from collections import Counter
@@ -43,15 +43,15 @@ from pathlib import Path
 import torch
 import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import machine, write_result  # noqa: E402
+from benchlib import add_against, machine, older_tree, write_result  # noqa: E402
 
 import tdlm  # noqa: E402
 from tdlm.models.loading import build_backbone  # noqa: E402
+from tdlm.profiling.ledger import OpCounter, kernels_in  # noqa: E402  (the library's counters)
 
 ROOT = Path(__file__).resolve().parents[1]
 LLADA_8B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288,
@@ -60,27 +60,6 @@ DREAM_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads":
             "intermediate_size": 18944, "vocab_size": 152064, "rope_theta": 1000000.0}  # fmt: skip
 MODELS = {"llada-8b": ("llada", LLADA_8B, "configs/llada_8b.yaml"), "dream-7b": ("dream", DREAM_7B,
                                                                                   "configs/dream_7b.yaml")}
-IGNORED = {"aten.detach.default"}  # autograd bookkeeping of no_grad parameters, not work
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name (overload included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func)
-        if name not in IGNORED and not name.startswith("prim."):  # prim.device etc.: metadata queries
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-
 def paper_temporal(path: str) -> tdlm.TemporalConfig:
     m = yaml.safe_load((ROOT / path).read_text())["model"]
     return tdlm.TemporalConfig(layers=m["layers"], heads=m["heads"], head_dim=m["head_dim"],
@@ -186,30 +165,6 @@ def _eager_counts(model, prompt: int, gen: int, warm: int) -> dict:
         "temporal_layer_ops_by_name": dict(later.most_common()),
         "block_ops_by_name": dict(c_block.ops.most_common()),
     }
-
-
-_CALL = re.compile(r"\b(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|torch\.ops\.aten\.\w+(?:\.\w+)?)\s*[\(\.]")
-
-
-def kernels_in(code: str) -> Counter[str]:
-    """Launches in the ``call()`` functions of inductor output code (one per compiled graph)."""
-    out: Counter[str] = Counter()
-    lines = code.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"^(\s*)def call\(", line)
-        if not m:
-            continue
-        indent = len(m.group(1))
-        for body in lines[i + 1 :]:
-            if body.strip() and len(body) - len(body.lstrip()) <= indent:
-                break  # end of call()
-            s = body.strip()
-            if s.startswith(("#", "del ", "assert_")):
-                continue
-            for k in _CALL.finditer(s):
-                kind = k.group(1)
-                out["fused" if kind.startswith(("cpp_fused_", "triton_")) else kind] += 1
-    return out
 
 
 def compiled_counts(name: str, prompt: int, gen: int, warm: int, width: int, save_code: str | None = None) -> dict:
@@ -350,10 +305,13 @@ def main() -> None:
     ap.add_argument("--no-compiled", action="store_true", help="eager counts only (no inductor compile)")
     ap.add_argument("--save-code", default=None, help="folder to write the inductor output code to")
     ap.add_argument("--label", default="", help="free text stored in the JSON (e.g. which attention code ran)")
-    ap.add_argument("--before", default=None, help="JSON of an earlier run (e.g. the code before a change) to embed")
+    add_against(ap, "its eager counts at this run's shape (that tree's own dispatch_count.py, --no-compiled), "
+                    "embedded as 'before' and printed beside today's")
+    ap.add_argument("--carry", default=None, metavar="JSON",
+                    help="an earlier result whose compiled counts are carried over for the models not compiled now")
     ap.add_argument("--compiled-models", default=",".join(MODELS),
                     help="comma list of models whose compiled graph is counted (the others are carried over from "
-                         "--before when given)")
+                         "--carry when given)")
     ap.add_argument("--loop", action="store_true",
                     help="also count the decode loop's own compiled graphs (compiled_loop): uncached, and the dual "
                          "cache's refresh and window with and without the loop's rows-in-order promise")
@@ -376,17 +334,17 @@ def main() -> None:
     if not args.no_compiled:
         print(f"\ncompiled kernels per NFE (inductor, {'cpu'}, width {args.width}, true depth and allocation)")
         print(f"{'model':10} {'backbone':>9} {'tdlm':>7} {'ratio':>6} {'graphs':>7}")
-        before = json.loads(Path(args.before).read_text()) if args.before else {}
+        carried = json.loads(Path(args.carry).read_text()) if args.carry else {}
         for name in MODELS:
             if name not in args.compiled_models.split(","):
-                if name in before.get("compiled", {}):
-                    old = dict(before["compiled"][name], carried_over_from=args.before)
-                    n_l = before["eager"][name]["temporal_layers"]
+                if name in carried.get("compiled", {}):
+                    old = dict(carried["compiled"][name], carried_over_from=args.carry)
+                    n_l = carried["eager"][name]["temporal_layers"]
                     old.setdefault("temporal_layers", n_l)
                     old.setdefault("kernels_per_temporal_layer",
                                    round((old["tdlm_kernels_per_nfe"] - old["backbone_kernels_per_nfe"]) / n_l, 2))
                     result["compiled"][name] = old
-                    print(f"{name:10} carried over from {args.before}")
+                    print(f"{name:10} carried over from {args.carry}")
                 continue
             with contextlib.suppress(KeyboardInterrupt):
                 r = compiled_counts(name, args.compiled_prompt, args.compiled_gen, args.warm, args.width,
@@ -427,10 +385,29 @@ def main() -> None:
         "compiled_kernels_per_temporal_layer_le_3": {k: v["kernels_per_temporal_layer"] <= 3
                                                      for k, v in result["compiled"].items()},
     }
-    if args.before:
-        result["before"] = json.loads(Path(args.before).read_text())
+    if args.against:
+        result["before"] = older_counts(args.against, args.prompt, args.gen, args.warm)
         print_before_after(result["before"], result)
     write_result(args.out, result)
+
+
+def older_counts(ref: str, prompt: int, gen: int, warm: int) -> dict:
+    """The eager counts of the older code ``--against REF`` names: that tree's own ``bench/dispatch_count.py`` run in
+    a subprocess (its root first on its ``sys.path``, so its ``tdlm``) at this run's shape, eager only (a compiled
+    count of old code would take minutes per model; compare those with ``--carry``)."""
+    import subprocess
+    import tempfile
+
+    tree = older_tree(ref, ("tdlm", "bench", "configs"))
+    script = tree / "bench" / "dispatch_count.py"
+    if not script.is_file():
+        raise SystemExit(f"--against {ref}: {script} is not there to count the older code with")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "before.json"
+        cmd = [sys.executable, str(script), "--no-compiled", "--out", str(out), "--prompt", str(prompt), "--gen",
+               str(gen), "--warm", str(warm)]  # fmt: skip
+        subprocess.run(cmd, cwd=tree, check=True)
+        return json.loads(out.read_text()) | {"against": ref}
 
 
 def print_before_after(before: dict, after: dict) -> None:

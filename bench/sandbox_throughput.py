@@ -4,14 +4,16 @@ the trusted side's worst case: CPU seconds of the verdict for the costliest valu
 Commands (from the repository root, venv active)::
 
     python bench/sandbox_throughput.py                      # this checkout -> bench/results/sandbox_throughput.json
-    python bench/sandbox_throughput.py --before /tmp/old    # also a copy of an older tree (its ``tdlm/``), side by side
+    python bench/sandbox_throughput.py --against REF        # also older code (a revision or a folder), side by side
     python bench/sandbox_throughput.py --quick              # 40 problems, one round, prints only
 
 What is measured. Each canonical solution (``Problem.answer``, in a ```` ```python ```` fence) is scored by
 :meth:`tdlm.evaluation.scoring.Scorer.score_many` with ``Scorer(2)`` and 2 threads, the evaluator's code limits
 (``SandboxLimits(timeout_s=30, cpu_s=11)``, the defaults of ``EvalConfig``); samples/s = problems / wall seconds.
 Every implementation runs in a fresh subprocess (two ``tdlm`` packages cannot share one interpreter), after one
-untimed warm-up of 4 problems (the sandbox's one-time probes). With ``--before`` the two implementations alternate
+untimed warm-up of 4 problems (the sandbox's one-time probes). With ``--against REF`` (every bench's flag for older
+code, ``benchlib.add_against``: a git revision, its ``tdlm/`` exported, or a folder holding an older checkout) the
+two implementations, ``before`` and ``after``, alternate
 for ``--rounds`` rounds and the medians are compared, so machine load hits both alike. The pass count is reported
 too: every canonical solution must pass.
 
@@ -136,8 +138,10 @@ def _portable(value):
 
 
 def main() -> None:
+    from benchlib import add_against, older_tree  # bench/ is sys.path[0] when run as a script
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", help="a directory holding an older tdlm/ package, measured side by side")
+    add_against(ap, "its sandbox timed side by side (before / after)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--limit", type=int, help="first N problems only")
     ap.add_argument("--quick", action="store_true")
@@ -153,7 +157,7 @@ def main() -> None:
             print(json.dumps(_worker(args.worker, args.limit)))
         return
     limit, rounds = (40, 1) if args.quick else (args.limit, args.rounds)
-    impls = {"after": str(REPO)} | ({"before": str(Path(args.before).resolve())} if args.before else {})
+    impls = {"after": str(REPO)} | ({"before": str(older_tree(args.against))} if args.against else {})
     runs: dict[str, list[dict]] = {k: [] for k in impls}
     load = [os.getloadavg()[0]]
     for _ in range(rounds):

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` loaded from its file as a module of its own: no ``sys.path`` entry for bench/ (its
+    scripts' sibling imports would shadow library names for every later test)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _absolute(value, where: str):
@@ -27,9 +36,7 @@ def test_committed_results_hold_no_absolute_paths():
 
 
 def test_write_result_names_repository_paths_relative_to_the_root(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    import benchlib
-
+    benchlib = bench_module("benchlib")
     out = benchlib.write_result(tmp_path / "r.json", {"adapter": str(REPO / "runs" / "demo" / "train" / "adapter"),
                                                       "root": [str(REPO)], "n": 3, "elsewhere": "/opt/x"})
     assert json.loads(out.read_text()) == {"adapter": "runs/demo/train/adapter", "root": ["."], "n": 3,

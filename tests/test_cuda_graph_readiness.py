@@ -1,15 +1,11 @@
-"""bench/cuda_graph_readiness.py reads what CUDA-graph trees check (mutated inputs, static or not) correctly."""
+"""The CUDA-graph readiness probe (tdlm.profiling.cuda_graphs, driven by bench/cuda_graph_readiness.py) reads what
+CUDA-graph trees check (mutated inputs, static or not) correctly."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import cuda_graph_readiness as cgr  # noqa: E402
+from tdlm.profiling import cuda_graphs as cgr
 
 
 class _Ring(torch.nn.Module):

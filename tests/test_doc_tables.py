@@ -23,8 +23,9 @@ _spec.loader.exec_module(dt)
 
 
 def copy_tree(tmp: Path) -> Path:
-    """The registered pages and JSON files, at their paths under tmp."""
-    for rel in {t.page for t in dt.TABLES} | {t.source for t in dt.TABLES}:
+    """The registered pages and JSON files (of the tables and of the facts in prose), at their paths under tmp."""
+    files = {t.page for t in dt.TABLES} | {t.source for t in dt.TABLES}
+    for rel in files | {f.page for f in dt.FACTS} | {s for f in dt.FACTS for s in f.sources}:
         (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, tmp / rel)
     return tmp
@@ -221,3 +222,34 @@ def test_verdicts_follow_the_json(tmp_path):
         assert verdicts(region(name)) == want and len(want) >= 4, name
     assert [ln.endswith("| yes |") for ln in region("onpolicy_final").splitlines() if ln.endswith(("| yes |",
             "| no |"))] == [t["met"] for t in onpolicy["targets"].values()]
+
+
+# -- numbers in prose (FACTS) ---------------------------------------------------------------------------
+def test_every_number_in_prose_matches_its_json():
+    assert dt.stale_facts() == []
+    pages = {f.page for f in dt.FACTS}
+    assert {"README.md", "docs/decoding.md", "docs/training.md"} <= pages  # the README's 8B and CPU numbers too
+
+
+def test_a_prose_number_one_digit_off_is_named_and_rewritten(tmp_path):
+    root = copy_tree(tmp_path)
+    readme = (root / "README.md").read_text()
+    fact = next(f for f in dt.FACTS if f.name == "readme_decode_speed")
+    m = fact.pattern().search(readme)
+    wrong = m["eager"][:-1] + ("1" if m["eager"][-1] != "1" else "2")
+    (root / "README.md").write_text(readme[: m.start("eager")] + wrong + readme[m.end("eager") :])
+    msgs = dt.stale_facts(root)
+    assert len(msgs) == 1 and "readme_decode_speed" in msgs[0] and f"eager is {wrong}" in msgs[0], msgs
+    assert msgs[0].startswith(f"README.md:{readme.count(chr(10), 0, m.start('eager')) + 1}:")
+    proc = check(root)
+    assert proc.returncode == 1 and "readme_decode_speed" in proc.stderr, proc.stderr  # the command line too
+    assert dt.write_facts(root) == ["README.md: fact readme_decode_speed"]
+    assert (root / "README.md").read_text() == readme and dt.stale_facts(root) == []
+
+
+def test_a_fact_whose_words_left_the_page_is_an_error(tmp_path):
+    root = copy_tree(tmp_path)
+    page = root / "docs/decoding.md"
+    page.write_text(page.read_text().replace("CUDA-graph-tree check accepts", "CUDA-graph-tree check takes"))
+    with pytest.raises(dt.RegionError, match="readiness_static"):
+        dt.stale_facts(root)

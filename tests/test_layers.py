@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tdlm.data",),  # trajectories, store, stream, tokenizer, prompts, contamination
     ("tdlm.tracking",),  # W&B runs and the local metrics record
     ("tdlm.training", "tdlm.generation", "tdlm.evaluation"),
+    ("tdlm.profiling",),  # bench's instruments: counters, tracers, the GPU cost model at true shape (uses training)
     ("tdlm.hub",),  # adapter repositories and model cards (reads evaluation results)
     ("tdlm.sweep", "tdlm.harness"),
     ("tdlm.onpolicy",),  # on-policy rounds: generation roll-outs + training launches (reuses the sweep's launcher)

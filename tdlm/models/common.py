@@ -371,3 +371,17 @@ class Backbone(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    # -- costs, from the config (the model states them; tdlm.profiling measures them) -------------------
+    def kv_bytes_per_token(self) -> int:
+        """Bytes the spatial KV cache holds per canvas position of one row: keys and values of every layer
+        (``kv_heads`` x ``head_dim`` each) in the parameters' dtype. A cache of B rows over L positions holds
+        B L times this (``tdlm.decoding.static_plan.kv_cache_bytes``)."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * next(self.parameters()).element_size()
+
+    def matmul_flops_per_token(self) -> int:
+        """FLOPs of one position through the blocks' and the head's weight matrices in one evaluation: 2 per
+        weight of every 2-D parameter but the embedding table (a gather, no multiply), as nanochat states its
+        model's FLOPs; attention's own (position x position) work is not included."""
+        emb = self.embedding_weight()
+        return 2 * sum(p.numel() for p in self.parameters() if p.dim() == 2 and p is not emb)
