@@ -240,12 +240,13 @@ def test_the_marker_is_a_real_host_file_during_the_run(monkeypatch):
 # ------------------------------------------------------------------------------------------ the rule itself
 def _good() -> tuple[dict, dict]:
     host = {n: (4, 1000 + i) for i, n in enumerate(verify.NAMESPACES)}
-    expect = {"ns": host, "marker": "/tmp/x/host-marker", "rlimits": {"AS": 100, "CPU": 5, "NPROC": -1},
+    expect = {"ns": host, "marker": "/tmp/x/host-marker", "rlimits": {"AS": 100, "CPU": 5, "NPROC": -1, "MEMLOCK": 0},
               "cgroup": {"memory": "/a/s", "pids": "/s"}, "inodes": 4096, "inet": "netns", "require": []}  # fmt: skip
     facts = {"uid": (65534, 65534), "ns": {n: (4, v[1] + 500) for n, v in host.items()},
              "status": dict.fromkeys(verify.CAPS, 0) | {"Seccomp": 2, "NoNewPrivs": 1},
-             "rlimits": {"AS": 100, "CPU": 5, "NPROC": 70}, "cgroup": {"memory": "/a/s", "pids": "/s"},
-             "inodes": [4096, 4096], "root_ro": True, "proc_own": True, "marker": "absent"}  # fmt: skip
+             "rlimits": {"AS": 100, "CPU": 5, "NPROC": 70, "MEMLOCK": 0}, "cgroup": {"memory": "/a/s", "pids": "/s"},
+             "inodes": [4096, 4096], "root_ro": True, "proc_own": True, "marker": "absent",
+             "one_process": {"fork": 1, "pipe2": 1, "memfd_create": 1}, "offlist": 1}  # fmt: skip
     return facts, expect
 
 
@@ -271,6 +272,8 @@ WRONG = [
     ("status.Seccomp", 0, {"seccomp", "limits"}),  # no filter: the no-fork rule is gone too (no cgroup below)
     ("status.Seccomp", 1, {"seccomp", "limits"}),
     ("status.NoNewPrivs", 0, {"seccomp", "limits"}),
+    ("offlist", 0, {"seccomp", "limits"}),  # a filter, but not the allowlist: getpriority goes through
+    ("offlist", None, {"seccomp", "limits"}),
     ("status.CapEff", 1 << 21, {"privileges"}),
     ("status.CapPrm", 1, {"privileges"}),
     ("status.CapAmb", 1, {"privileges"}),
@@ -279,6 +282,14 @@ WRONG = [
     ("rlimits.AS", None, {"limits"}),
     ("rlimits.CPU", 6, {"limits"}),
     ("rlimits.NPROC", None, {"limits"}),
+    ("rlimits.MEMLOCK", 65536, {"limits"}),
+    ("rlimits.MEMLOCK", None, {"limits"}),
+    # no cgroup: the filter must be seen refusing processes, pipes and memfds (EPERM), not merely be there
+    ("one_process.fork", 0, {"limits"}),
+    ("one_process.pipe2", 22, {"limits"}),
+    ("one_process.memfd_create", 22, {"limits"}),
+    ("one_process", {}, {"limits"}),
+    ("one_process", None, {"limits"}),
     ("inodes", [None, 4096], {"limits"}),
     ("inodes", [4096, 10**7], {"limits"}),
 ]

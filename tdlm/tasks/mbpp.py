@@ -24,9 +24,11 @@ of the evaluator evaluates the rest of each assert with the value it sent back (
 sub-expression Python evaluates exactly once, in that order: :func:`plan_assert` refuses the rest). :func:`load`
 refuses, naming the problem and the assert, any assert the grammar cannot split or that calls nothing of the
 reference's, so a shape that would hand the comparison to the sample, or run the candidate's code in another order
-or number than Python, is an error before anything is decoded; all 776 shipped asserts split. pass@1 means every
-assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends no values, so it fails, as
-in the anchors' harnesses). All 257 canonical solutions pass this way
+or number than Python, is an error before anything is decoded; so is a check that draws a lazy value partially
+(``next``, ``any``, ``in`` ...) or may mutate the value (``pop``, ``heapq.heappop`` ...), which the sandbox, holding
+a copy sent back once, cannot judge as Python does (:func:`check_problem`). All 776 shipped asserts split and
+load. pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends no
+values, so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this way
 (tests/test_sandbox_hostile.py).
 """
 
@@ -334,6 +336,85 @@ def _rooted(tree: ast.AST) -> frozenset[str]:
     return frozenset(out)
 
 
+# How the check may use the candidate's value (issue 51: "exactly Python, or refused at load"). The sample sends a
+# copy of the value back, once: a lazy value (generator, map, any iterator) is drained there and replayed here, and a
+# check's mutation reaches the copy, never the candidate's live object. So the check may read the value, and consume
+# a lazy one whole; the rest is refused before anything is decoded.
+# Consumers that may stop early, or pull items lazily for someone else, so Python would draw fewer items (or draw
+# them interleaved with other code) than a drain does: refused.
+_PARTIAL = frozenset({"next", "any", "all", "zip", "enumerate", "iter", "reversed", "map", "filter", "aiter", "anext"})
+_PARTIAL_MODULES = frozenset({"itertools"})  # islice, takewhile, tee ...: lazy by design
+# Functions that mutate their argument in place: Python mutates the candidate's object, the sandbox a copy.
+_MUTATING = frozenset({"heapq.heappop", "heapq.heappush", "heapq.heapify", "heapq.heappushpop", "heapq.heapreplace",
+                       "random.shuffle", "bisect.insort", "bisect.insort_left", "bisect.insort_right",
+                       "operator.setitem", "operator.delitem", "operator.iadd", "operator.iconcat", "setattr",
+                       "delattr"})  # fmt: skip
+# Methods that only read their object (of str, bytes, numbers, list, tuple, dict, set, Counter, deque ...); any other
+# method called on the candidate's value, or on a part of it, may mutate it: refused.
+_READ_ONLY_METHODS = frozenset("""
+    count index keys values items get copy startswith endswith find rfind rindex lower upper strip lstrip rstrip split
+    rsplit splitlines join replace isdigit isalpha isalnum isspace islower isupper istitle isdecimal isnumeric
+    isidentifier isprintable isascii title capitalize casefold swapcase center ljust rjust zfill partition rpartition
+    format encode decode hex expandtabs translate removeprefix removesuffix issubset issuperset isdisjoint union
+    intersection difference symmetric_difference most_common elements total bit_length bit_count conjugate is_integer
+    as_integer_ratio to_bytes isoformat weekday isoweekday date time timestamp
+""".split())  # fmt: skip
+
+
+_BUILTIN_TYPES = frozenset(n for n in _BUILTINS if isinstance(getattr(builtins, n), type))
+
+
+def _dotted(node: ast.expr) -> str:
+    c = _chain(node)
+    return ".".join((c[0], *c[1])) if c is not None and c[2] is None else ""
+
+
+def _check_consumers(check: ast.AST, where: str, test: str) -> None:
+    """Refuse (TDLMError naming ``where``) a check that uses the candidate's value other than by reading it or
+    consuming it whole (see :data:`_PARTIAL`, :data:`_MUTATING`, :data:`_READ_ONLY_METHODS`)."""
+    parent = {c: n for n in ast.walk(check) for c in ast.iter_child_nodes(n)}
+
+    def refuse(why: str, node: ast.AST) -> TDLMError:
+        return TDLMError(f"{where}: the candidate's value is {why} in {ast.unparse(node)[:80]!r}; the sandbox judges "
+                         f"a copy sent back once, so Python's result cannot be reproduced: {test[:120]!r} (refused "
+                         "at load)")  # fmt: skip
+
+    def uses(node: ast.expr, whole: bool) -> None:
+        """``node`` holds the value (``whole``) or a part of it; check what its parent does with it."""
+        q = parent.get(node)
+        if isinstance(q, ast.Compare) and node is not q.left:
+            k = q.comparators.index(node)
+            if whole and isinstance(q.ops[k], (ast.In, ast.NotIn)):
+                raise refuse("searched with `in`, which stops at the first match", q)
+        elif isinstance(q, ast.Call) and node is not q.func:
+            name = _dotted(q.func)
+            c = _chain(q.func)
+            if whole and (name in _PARTIAL or (c is not None and c[0] in _PARTIAL_MODULES)):
+                raise refuse(f"consumed by {name or ast.unparse(q.func)}(), which may stop early", q)
+            if name in _MUTATING:
+                raise refuse(f"passed to {name}(), which mutates it", q)
+            unbound = isinstance(q.func, ast.Attribute) and isinstance(q.func.value, ast.Name) and (
+                q.func.value.id in _BUILTIN_TYPES)  # list.append(value, x) is value.append(x)
+            if unbound and node in q.args[:1] and q.func.attr not in _READ_ONLY_METHODS:
+                raise refuse(f"passed to the method {q.func.attr}(), which may mutate it", q)
+            if name == "vars":
+                uses(q, False)
+        elif isinstance(q, ast.Attribute):
+            if isinstance(parent.get(q), ast.Call) and parent[q].func is q and q.attr not in _READ_ONLY_METHODS:
+                raise refuse(f"the object of the method {q.attr}(), which may mutate it (or, lazy, draw from it)", q)
+            uses(q, False)
+        elif isinstance(q, ast.Subscript) and node is q.value:
+            uses(q, False)
+        elif isinstance(q, ast.comprehension) and node is q.iter and whole:
+            comp = parent[q]
+            if isinstance(comp, ast.GeneratorExp):  # lazy again: its own consumer decides how far it is drawn
+                uses(comp, True)
+
+    for n in ast.walk(check):
+        if isinstance(n, ast.Name) and n.id.startswith(PLACEHOLDER):
+            uses(n, True)
+
+
 def plan_assert(test: str, imported: frozenset[str], names: frozenset[str] | None, where: str = "test") -> AssertPlan:
     """Split one assert (see :class:`AssertPlan`). ``names``: the candidate's names (:func:`reference_names`);
     None (no reference solution): the names the assert calls (or reads an attribute of) that are not builtins or
@@ -383,10 +464,15 @@ def _source(c: CandidateCall) -> str:
 
 def check_problem(problem: Problem) -> tuple[AssertPlan, ...]:
     """The plans of one MBPP problem's asserts, with its reference solution's names; TDLMError naming the problem
-    when one cannot be split (:func:`plan_assert`: among others, one that calls nothing of the candidate's)."""
+    when one cannot be split (:func:`plan_assert`: among others, one that calls nothing of the candidate's) or uses
+    the candidate's value in a way the sandbox cannot judge as Python does (:func:`_check_consumers`: a lazy value
+    drawn partially, a value the check mutates)."""
     names = reference_names(problem.answer)
     imported = imported_names(problem.test_imports)
     plans = []
     for k, test in enumerate(problem.tests):
-        plans.append(plan_assert(test, imported, names, where=f"{problem.id} test {k + 1}"))
+        where = f"{problem.id} test {k + 1}"
+        plan = plan_assert(test, imported, names, where=where)
+        _check_consumers(ast.parse(plan.check, mode="eval"), where, test)
+        plans.append(plan)
     return tuple(plans)

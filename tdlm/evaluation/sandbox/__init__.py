@@ -32,21 +32,27 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    host), IPC and UTS namespaces. Environment: :data:`.core.SAMPLE_ENV` only. stdout / stderr go to capped files;
    results get :func:`.verdict.excerpt` (one escaped line) only.
 4. **Nothing past the namespaces.** Seccomp (``pyseccomp`` builds the BPF; bwrap ``--seccomp`` or the launcher's
-   ``prctl`` installs it) denies ``ptrace``, ``keyctl``, ``setns``, ``mount``, ``unshare`` and relatives
-   (:data:`.host.DENIED_SYSCALLS`), ``clone`` with any ``CLONE_NEW*`` flag (no nested user namespace with its
-   capabilities, on either backend), ``clone3`` (ENOSYS: glibc falls back to ``clone``), and ``socket`` /
-   ``socketpair`` of any family but AF_UNIX, AF_INET and AF_INET6 (no netlink, packet or vsock sockets: vsock shares
-   the host's port space); under bubblewrap, whose ``--unshare-net`` brings the loopback up, AF_INET / AF_INET6 too
-   (EAFNOSUPPORT: no cgroup v1 charges TCP / UDP buffers to the sample). bwrap adds ``--disable-userns`` and
-   ``--cap-drop ALL``; the in-house launcher empties the capability bounding set while still privileged, then drops
-   the uid and the other sets, and checks that none is left (else the sample does not run).
+   ``prctl`` installs it) is an allowlist (:data:`.host.SYSCALL_GROUPS`: the calls the interpreter, the driver and
+   the 257 canonical MBPP solutions made under strace, plus threads, clocks, files in its own ``/tmp``, signals to
+   itself, each group with its reason); every other call fails with EPERM, whatever the kernel adds next.
+   ``clone`` never with a ``CLONE_NEW*`` flag (no nested user namespace with its capabilities, on either backend),
+   ``clone3`` ENOSYS (glibc falls back to ``clone``), ``ioctl`` / ``fcntl`` / ``prlimit64`` only with the
+   requests, commands and pid (0) listed, and ``socket`` / ``socketpair`` of no family but AF_UNIX, AF_INET and
+   AF_INET6 (no netlink, packet or vsock sockets: vsock shares the host's port space); under bubblewrap, whose
+   ``--unshare-net`` brings the loopback up, AF_INET / AF_INET6 neither (EAFNOSUPPORT: no cgroup v1 charges TCP /
+   UDP buffers to the sample). bwrap adds ``--disable-userns`` and ``--cap-drop ALL``; the in-house launcher
+   empties the capability bounding set while still privileged, then drops the uid and the other sets, and checks
+   that none is left (else the sample does not run).
 5. **Aggregate limits** (:class:`.host.Cgroups`): a cgroup per sample (v2 delegated subtree, else v1 memory + pids +
    cpuacct) bounds memory (tmpfs, memfd and shm pages included), tasks, and CPU time (polled, the whole tree killed
-   past ``cpu_s``). Without a cgroup: RLIMIT_NPROC of the sample's uid (nobody as root), and seccomp refuses ``fork``
-   / ``vfork`` / non-thread ``clone``, ``memfd_create``, System V shm / msg / sem, pipes and AF_UNIX sockets
-   (:data:`.host.NOCGROUP_SYSCALLS`, :data:`.host.NOCGROUP_FAMILIES`: memory no process's address-space limit counts),
-   so per-process rlimits are the aggregate. Every setting: RLIMIT_MSGQUEUE 0, RLIMIT_MEMLOCK 0, RLIMIT_SIGPENDING
-   256; AIO, ``memfd_secret``, inotify and fanotify refused (:data:`.host.DENIED_SYSCALLS`). The files of the
+   past ``cpu_s``). Without a cgroup the sample is one process, and each kernel object it can make is counted by
+   an rlimit: memory and page tables by RLIMIT_AS, fds (files, sockets) by RLIMIT_NOFILE, threads by RLIMIT_NPROC
+   of its uid (nobody as root), files by the inode- and size-limited tmpfs; seccomp refuses ``fork`` / ``vfork`` /
+   non-thread ``clone``, ``memfd_create``, System V shm / msg / sem, pipes and AF_UNIX sockets
+   (:data:`.host.CGROUP_ONLY_SYSCALLS`, :data:`.host.NOCGROUP_FAMILIES`: memory no address-space limit counts), and
+   the sample's own process must see ``fork``, ``pipe2`` and ``memfd_create`` refused, else ``limits`` is not held
+   (:mod:`.verify`). Every setting: RLIMIT_MSGQUEUE 0, RLIMIT_MEMLOCK 0 (both checked inside), RLIMIT_SIGPENDING
+   256; AIO, io_uring, ``memfd_secret``, inotify and fanotify are on no list. The files of the
    tmpfs (kernel memory, no tmpfs bytes) are bounded by a cgroup that charges kernel memory (v2, or v1 with kmem
    accounting), else by an inode limit: the in-house root's tmpfs has one, and under bubblewrap (whose ``--tmpfs`` has
    none) the launcher mounts inode-limited ones for bwrap to bind; where neither holds, ``limits`` is missing.
@@ -76,7 +82,7 @@ the checks (values crafted for the trusted side's comparison or to stall or cras
 channel, redefined builtins, objects with their own ``__eq__``), reading files, exfiltration through results,
 resource exhaustion (kernel memory of files included), state between samples, escaping through namespaces, the
 kernel's socket families or other processes. The dataset (asserts, ``test_imports``, reference solutions) is
-trusted. Out of scope: kernel exploits through the syscalls and socket families the filter allows, and side
+trusted. Out of scope: kernel exploits through the syscalls and socket families the allowlist keeps, and side
 channels (timing of the evaluator).
 """
 

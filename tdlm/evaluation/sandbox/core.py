@@ -42,7 +42,7 @@ GUARANTEES = {
     "ipc": "an IPC namespace (no System V / POSIX IPC of the host)",
     "limits": "aggregate memory / task / CPU limits over the whole process tree, kernel buffers included (a cgroup, "
               "or one process: no fork, no System V IPC, pipes or Unix sockets; no TCP / UDP through an up loopback)",
-    "seccomp": "a seccomp filter denying ptrace, keyctl, setns, mount, unshare and relatives",
+    "seccomp": "a seccomp allowlist of the calls MBPP needs (ptrace, keyctl, setns, mount, bpf ... refused)",
     "privileges": "an unprivileged uid without capabilities (never root)",
 }
 
@@ -312,7 +312,8 @@ def _execute(code: str, limits: SandboxLimits, splits: list | None, test_imports
         cgroup_kind=cg.kind if cg is not None else None, kmem=cg is not None and cg.kmem,
         tmpfs_inodes=limits.tmpfs_inodes,
         rlimits={"AS": limits.memory_bytes, "CPU": cpu_s, "FSIZE": limits.file_size_bytes,
-                 "NOFILE": limits.max_open_files, "NPROC": -1},
+                 "NOFILE": limits.max_open_files, "NPROC": -1, "MEMLOCK": 0, "MSGQUEUE": 0,
+                 "SIGPENDING": MAX_SIGPENDING},
         require=[k for k in GUARANTEES if k not in accepted] if accepted is not None else [],
     )  # fmt: skip
     fds: list[int] = []

@@ -15,12 +15,16 @@ What is compared (each guarantee not shown is not held):
   another inode); ``pid`` also needs ``/proc/self`` to name this process (a ``/proc`` of its own PID namespace);
 - ``filesystem``: another mount namespace, ``/`` read-only, and a host path the evaluator created for this run (a
   marker file under its own temp directory) not visible;
-- ``seccomp``: ``Seccomp: 2`` (a filter) and ``NoNewPrivs: 1`` in ``/proc/self/status``;
+- ``seccomp``: ``Seccomp: 2`` (a filter) and ``NoNewPrivs: 1`` in ``/proc/self/status``, and a call on no list
+  of the allowlist (``getpriority``) refused with EPERM: a filter that is there but allows it is not ours;
 - ``privileges``: uid and euid not 0, no effective, permitted, inheritable or ambient capability, and an empty
   bounding set (or ``no_new_privs``, which keeps a non-empty one from granting anything through exec);
-- ``limits``: the rlimits at most the evaluator's; the per-sample cgroup in ``/proc/self/cgroup`` (its path, or
-  the root of a cgroup namespace of its own: bwrap's ``--unshare-cgroup-try``), else (no cgroup) the seccomp filter
-  held (the evaluator's no-fork filter); the sample's ``/tmp`` and ``/dev/shm`` inode-limited (statvfs) unless a
+- ``limits``: the rlimits at most the evaluator's (``RLIMIT_MEMLOCK`` and ``RLIMIT_MSGQUEUE`` 0 among them); the
+  per-sample cgroup in ``/proc/self/cgroup`` (its path, or the root of a cgroup namespace of its own: bwrap's
+  ``--unshare-cgroup-try``), else (no cgroup) the filter seen refusing ``fork``, ``pipe2`` and ``memfd_create``
+  with EPERM (each called with arguments the kernel itself rejects, so nothing is created either way): one process
+  whose kernel objects are each counted by an rlimit (:data:`.host.CGROUP_ONLY_SYSCALLS` says which calls the
+  no-cgroup filter leaves out and why); the sample's ``/tmp`` and ``/dev/shm`` inode-limited (statvfs) unless a
   cgroup charging kernel memory bounds their files; TCP / UDP buffers bounded (a cgroup v2 charges them; under
   bwrap, whose loopback is up, the filter refuses AF_INET; in-house, a network namespace of its own has it down).
 
@@ -38,7 +42,7 @@ from typing import Any
 
 NAMESPACES = ("net", "pid", "mnt", "ipc", "uts", "user", "cgroup")
 CAPS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
-RLIMITS = ("AS", "CPU", "FSIZE", "NOFILE", "NPROC")
+RLIMITS = ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "MEMLOCK", "MSGQUEUE", "SIGPENDING")
 
 
 def sandbox_facts(expect: dict) -> dict:
@@ -66,7 +70,7 @@ def sandbox_facts(expect: dict) -> dict:
                     facts["status"][key] = int(value.strip(), 16 if key.startswith("Cap") else 10)
     except (OSError, ValueError):
         facts["status"] = {}
-    for name in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC"):
+    for name in ("AS", "CPU", "FSIZE", "NOFILE", "NPROC", "MEMLOCK", "MSGQUEUE", "SIGPENDING"):
         soft = resource.getrlimit(getattr(resource, "RLIMIT_" + name))[0]
         facts["rlimits"][name] = None if soft == resource.RLIM_INFINITY or soft < 0 else soft
     try:
@@ -88,6 +92,32 @@ def sandbox_facts(expect: dict) -> dict:
         facts["root_ro"] = bool(os.statvfs("/").f_flag & os.ST_RDONLY)
     except OSError:
         pass
+    try:  # a call on no list of the allowlist (harmless where it goes through): only a filter of ours refuses it
+        os.getpriority(os.PRIO_PROCESS, 0)
+        facts["offlist"] = 0
+    except OSError as e:
+        facts["offlist"] = e.errno
+    if expect["cgroup"] is None:
+        # no cgroup: the sample must stay one process that holds nothing outside its address space, so the filter
+        # must refuse processes, pipes and memfds. Each call gets arguments the kernel rejects (EINVAL) before it
+        # creates anything, so only a filter answers EPERM; fork, if it goes through, ends its child at once.
+        seen = {}
+        for call, args in ((os.pipe2, (0o1,)), (os.memfd_create, ("x", 0x100))):
+            try:
+                call(*args)
+                seen[call.__name__] = 0
+            except OSError as e:
+                seen[call.__name__] = e.errno
+        try:
+            pid = os.fork()
+        except OSError as e:
+            seen["fork"] = e.errno
+        else:
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            seen["fork"] = 0
+        facts["one_process"] = seen
     try:
         os.lstat(expect["marker"])
         facts["marker"] = "visible"
@@ -108,7 +138,7 @@ def guarantees_held(facts: dict, expect: dict) -> dict:
         return bool(mine) and bool(theirs) and mine[0] == theirs[0] and mine[1] != theirs[1]
 
     status = facts.get("status") or {}
-    seccomp = status.get("Seccomp") == 2 and status.get("NoNewPrivs") == 1
+    seccomp = status.get("Seccomp") == 2 and status.get("NoNewPrivs") == 1 and facts.get("offlist") == 1
     uid = facts.get("uid") or (0, 0)
     caps_clear = all(status.get(k) == 0 for k in ("CapInh", "CapPrm", "CapEff", "CapAmb"))
     bounded = status.get("CapBnd") == 0 or status.get("NoNewPrivs") == 1
@@ -116,8 +146,9 @@ def guarantees_held(facts: dict, expect: dict) -> dict:
     rl = facts.get("rlimits") or {}
     rlimits = all(rl.get(k) is not None and (bound < 0 or rl[k] <= bound) for k, bound in expect["rlimits"].items())
     cgroup = expect["cgroup"]
-    if cgroup is None:
-        tasks = seccomp  # no cgroup: one process, the evaluator's no-fork filter
+    if cgroup is None:  # no cgroup: one process whose filter refuses what no rlimit counts (seen failing: EPERM)
+        one = facts.get("one_process") or {}
+        tasks = seccomp and sorted(one) == ["fork", "memfd_create", "pipe2"] and all(v == 1 for v in one.values())
     else:
         seen = facts.get("cgroup") or {}
         tasks = all(seen.get(c) == p or (seen.get(c) == "/" and new("cgroup")) for c, p in cgroup.items())
