@@ -50,6 +50,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 import torch  # noqa: E402
 from benchlib import machine, write_result  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
+from tdlm.decoding.config import DecodeSettings  # noqa: E402
 from tdlm.generation import MANIFEST, GenerationConfig, generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,8 +63,9 @@ def run_one(args: argparse.Namespace, actors: int, batch: int, work: Path) -> di
     out = work / f"a{actors}-b{batch}"
     cfg = GenerationConfig(
         backbone=args.backbone, prompts=str(args.prompts), prompt_field="question", output_dir=str(out),
-        num_prompts=args.num_prompts, policy="threshold", gen_length=args.gen_length, block_size=args.block_size,
-        shard_size=args.shard_size, batch_size=batch, actors=actors, cpus_per_actor=1, log_interval=60.0,
+        num_prompts=args.num_prompts, shard_size=args.shard_size, actors=actors, cpus_per_actor=1, log_interval=60.0,
+        decode=DecodeSettings(policy="threshold", gen_length=args.gen_length, block_size=args.block_size,
+                              batch_size=batch),
         allow_eval_prompts=True,  # a throughput measurement: these trajectories never train anything
     )  # fmt: skip
     t0 = time.perf_counter()

@@ -127,14 +127,36 @@ def _from_dict(cls: type[T], raw: dict, where: str, path: str) -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     prefix = f"{path}." if path else ""
     unknown = sorted(set(raw) - set(fields))
+    moved = [(k, s) for k in unknown for s in _sections(cls, hints) if k in _field_names(hints[s])]
+    if moved:  # a flat key of an older config that now lives in a section (decode.gen_length)
+        key, section = moved[0]
+        raise FieldError(where, prefix + key, f"moved into the {section}: section; write it as {prefix}{section}: "
+                         f"{{{key}: {raw[key]!r}}} (or the override {prefix}{section}.{key}=...)", [prefix + key])
     if unknown:
         near = difflib.get_close_matches(unknown[0], list(fields), n=1, cutoff=0.5)
         hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
         inside = f" in {path}" if path else ""
         keys = [prefix + k for k in unknown]
         raise FieldError(where, "", f"unknown key(s) {keys}; allowed{inside}: {sorted(fields)}{hint}", keys)
-    values = {k: _coerce(v, hints[k], where, prefix + k) for k, v in raw.items()}
+    values = {}
+    for k, v in raw.items():
+        default = fields[k].default_factory  # type: ignore[misc]
+        if k in _sections(cls, hints) and isinstance(v, dict) and default is not dataclasses.MISSING:
+            # A section's keys fill in its default object, so a job's own default (generation's batch of 1408 in
+            # its decode section) survives a YAML section that sets only other keys.
+            obj = default()
+            v = {**{f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, **v}
+        values[k] = _coerce(v, hints[k], where, prefix + k)
     return cls(**values)
+
+
+def _sections(cls: type, hints: dict) -> list[str]:
+    """The fields of ``cls`` that are dataclasses themselves (nested sections such as ``decode``)."""
+    return [f.name for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]  # type: ignore[arg-type]
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
 
 def _origin(origins: dict[str, str], paths: list[str]) -> tuple[str, str] | None:
@@ -235,12 +257,21 @@ _FIELD_LINE = re.compile(r"^\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$")
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: doc}`` from the comments in ``cls``'s source (trailing comment, else the comment block above)."""
+    """``{field: doc}`` from the comments in ``cls``'s source (trailing comment, else the comment block above); an
+    inherited field's from the base class that declares it (DecodeSettings' fields of DecodeConfig)."""
+    docs: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if dataclasses.is_dataclass(klass):
+            for name, doc in _own_field_docs(klass, {f.name for f in dataclasses.fields(cls)}).items():  # type: ignore[arg-type]
+                docs.setdefault(name, doc)
+    return docs
+
+
+def _own_field_docs(cls: type, names: set[str]) -> dict[str, str]:
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):
         return {}
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     docs: dict[str, str] = {}
     above: list[str] = []
     for line in lines:
@@ -290,6 +321,7 @@ class Flag:
     group: str | None = None
     negate: bool = False  # a bool field whose default is True: ``--no-<name>`` stores False
     extend: bool = False  # a list field that may be given several times (action="extend")
+    skip: bool = False  # no flag (an evaluation sweeps decode.policy through its own --policies)
 
 
 def _scalar_type(tp: Any) -> Any:
@@ -322,24 +354,33 @@ def _is_bool(tp: Any) -> bool:
 
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, flags: dict[str, Flag] | None = None,
-                        groups: dict[str, str] | None = None) -> dict[str, str]:
+                        groups: dict[str, str] | None = None, prefix: str = "",
+                        made: dict | None = None) -> dict[str, str]:
     """Add one flag per field of dataclass ``cls``, help = the field's doc (:func:`field_docs`) + its default.
 
     Every flag defaults to None (absent), so values from a config file survive unless a flag is given; the real
     defaults stay in the dataclass. Bool fields are switches (``store_const True``, or ``--no-x`` storing False
     with ``Flag(negate=True)``); list fields take ``nargs="+"``. ``groups`` maps a group title to its
-    description; ``Flag.group`` picks one. Returns ``{dest: field}`` for every flag added.
+    description; ``Flag.group`` picks one. A field that is a dataclass (a section: ``decode``) gets one flag per
+    field of its own, named after that field (``--gen-length``), with dest ``section.field`` and ``flags`` keyed
+    ``section.field``; :func:`nest_flags` puts them back into their section. Returns ``{dest: field}``.
     """
     flags = flags or {}
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
-    made: dict[str, argparse._ActionsContainer] = {}
+    made = {} if made is None else made
     for title in dict.fromkeys([*(groups or {}), *(spec.group for spec in flags.values() if spec.group)]):
-        made[title] = parser.add_argument_group(title, (groups or {}).get(title))  # in the order given
+        if title not in made:
+            made[title] = parser.add_argument_group(title, (groups or {}).get(title))  # in the order given
     out: dict[str, str] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        spec = flags.get(f.name, Flag())
+        spec = flags.get(prefix + f.name, Flag())
         tp = hints[f.name]
+        if spec.skip:
+            continue
+        if dataclasses.is_dataclass(tp):
+            out.update(add_dataclass_flags(parser, tp, flags, None, f"{prefix}{f.name}.", made))  # type: ignore[arg-type]
+            continue
         container: argparse._ActionsContainer = parser
         if spec.group:
             if spec.group not in made:
@@ -360,7 +401,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, flags: dict[
             shown = " ".join(map(str, default)) if isinstance(default, list) else default
             help_text += f" (default: {shown})" if shown != "" else ""
         name = spec.name or "--" + f.name.replace("_", "-")
-        kw: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%"), "default": None}
+        kw: dict[str, Any] = {"dest": prefix + f.name, "help": help_text.replace("%", "%%"), "default": None}
         if _is_bool(tp):
             kw.update(action="store_const", const=not spec.negate)
         else:
@@ -374,7 +415,25 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, flags: dict[
             if spec.metavar:
                 kw["metavar"] = spec.metavar
         container.add_argument(name, **kw)
-        out[f.name] = f.name
+        out[prefix + f.name] = prefix + f.name
+    return out
+
+
+def nest_flags(raw: dict, args: dict) -> dict:
+    """``raw`` (a --config file's mapping) with the flags given in ``args`` (argparse's dests; None = not given)
+    written over it; a dest ``section.field`` (:func:`add_dataclass_flags`) goes into that section of ``raw``."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for dest, value in args.items():
+        if value is None:
+            continue
+        section, dot, name = dest.rpartition(".")
+        if not dot:
+            out[dest] = value
+            continue
+        node = out.setdefault(section, {})
+        if not isinstance(node, dict):
+            raise TDLMError(f"{section}: expected a mapping of settings (the {section}: section); got {node!r}")
+        node[name] = value
     return out
 
 

@@ -24,6 +24,7 @@ import pytest
 
 from tdlm.data import ray_watch
 from tdlm.data.ray_watch import ClusterWatch, HeadLost, head_lost
+from tdlm.decoding.config import DecodeSettings
 from tdlm.evaluation import driver
 from tdlm.evaluation.config import EvalConfig
 from tdlm.evaluation.worker import ShardJob, ShardReport
@@ -287,7 +288,7 @@ class FakeRay(types.ModuleType):
 
 def _jobs(num_shards: int, per_shard: int) -> list[ShardJob]:
     """The plan's order: round k holds the k-th job of every shard (one problem each, as with batch size 1)."""
-    return [ShardJob({}, "/runs/arith/x", w, num_shards, [(f"p{w}-{k}", k, "q")], {}, 1, 0)
+    return [ShardJob({}, "/runs/arith/x", w, num_shards, [(f"p{w}-{k}", k, "q")], DecodeSettings(), 0)
             for k in range(per_shard) for w in range(num_shards)]  # fmt: skip
 
 

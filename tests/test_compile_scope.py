@@ -13,14 +13,13 @@ into the spatial KV cache's tensors (the path inductor compiles).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
 from tdlm.decoding import DecodeConfig, decode
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 from tdlm.models.loading import PRESETS, random_backbone
 from tdlm.temporal.model import TDLM, TemporalConfig
@@ -130,7 +129,8 @@ def test_an_unknown_scope_is_one_line_at_every_entry_point(tmp_path):
     from tdlm.generation import GenerationConfig
     from tdlm.harness.model import parse_model_args
 
-    with pytest.raises(TDLMError, match=r"^decode compile_scope 'blocks' unknown; expected one of model, block$"):
+    with pytest.raises(TDLMError, match=r"^decode compile_scope 'blocks' unknown; expected one of model, block; did "
+                                        r"you mean 'block'\?$"):  # fmt: skip
         DecodeConfig(compile_scope="blocks").validate()
     with pytest.raises(TDLMError, match=r"^compile='nope' unknown"):
         DecodeConfig(compile="nope", compile_scope="block").validate()
@@ -141,16 +141,16 @@ def test_an_unknown_scope_is_one_line_at_every_entry_point(tmp_path):
         builds = ((EvalConfig, ev), (GenerationConfig, gen))
         for cls, base in builds:
             with pytest.raises(TDLMError) as e:
-                cls(**base, compile_scope=scope, compile=compile_).validate()
+                cls(**base, decode=DecodeSettings(compile_scope=scope, compile=compile_)).validate()
             errors.append(str(e.value))
         with pytest.raises(TDLMError) as e:
             parse_model_args({"pretrained": "tiny-llada", "compile_scope": scope, "compile": compile_})
         errors.append(str(e.value))
         assert all("\n" not in m and "compile_scope" in m for m in errors), errors
-        assert errors[0].startswith("compile_scope (--compile-scope): ")
-        assert errors[1].startswith("compile_scope (--compile-scope): ")
-        assert errors[2].startswith("--model_args compile_scope=blocks: expected model | block" if scope == "blocks"
-                                    else "--model_args: compile="), errors[2]  # fmt: skip
+        # one check (DecodeSettings.validate) and so one message, the harness's naming its --model_args
+        first = "decode compile_scope 'blocks' unknown" if scope == "blocks" else "compile='reduce-overhead' captures"
+        assert errors[0].startswith(first) and errors[1] == errors[0], errors
+        assert errors[2] == f"--model_args: {errors[0]}", errors[2]
 
 
 def test_compile_scope_reaches_the_config_an_evaluation_worker_decodes_with(tmp_path, monkeypatch):
@@ -171,40 +171,39 @@ def test_compile_scope_reaches_the_config_an_evaluation_worker_decodes_with(tmp_
         return real(model, prompts, config, **kw)
 
     monkeypatch.setattr(worker_mod, "decode", spy)
+    section = DecodeSettings(gen_length=16, block_size=8, batch_size=2, compile="eager", compile_scope="block")
     cfg = EvalConfig(backbone="tiny-llada", output_dir=str(tmp_path), tasks=["gsm8k"], policies=["threshold"],
-                     limit=2, gen_length=16, block_size=8, workers=1, threads=1, warmup=1, score_workers=1,
-                     wandb_mode="disabled", batch_size=2, compile="eager",
-                     compile_scope="block").validate()  # fmt: skip
+                     limit=2, workers=1, threads=1, warmup=1, score_workers=1, wandb_mode="disabled",
+                     decode=section).validate()  # fmt: skip
     plans = plan_runs(cfg)
     assert "compile_scope" not in str(plans[0].identity)
     jobs, _ = shard_jobs(cfg, plans, 1)
-    assert {j.decode["compile_scope"] for j in jobs} == {"block"}
+    assert {j.settings.compile_scope for j in jobs} == {"block"}
     run_in_process(cfg, jobs)
     assert seen == [("block", "eager")] * 2  # the warm-up and the timed decode
     assert _graphs() >= 2  # the regions compiled inside the worker
 
 
 def test_compile_scope_reaches_a_generation_replica_and_the_harness():
-    """The replica builds its DecodeConfig from the spec the driver sends (tdlm.generation.driver.worker_spec); the
-    manifest's identity leaves the scope out; the harness passes its model_args value to its DecodeConfig."""
+    """The replica decodes with the section the driver sends (tdlm.generation.driver.worker_spec); the manifest's
+    identity leaves the scope out; the harness puts its model_args value into its section (every field, every
+    driver: tests/test_decode_settings.py)."""
     from tdlm.generation import GenerationConfig
     from tdlm.generation.cli import parse_args
     from tdlm.generation.driver import worker_spec
     from tdlm.harness.model import parse_model_args
 
     cfg = GenerationConfig(backbone="tiny-llada", prompts="data/multi_prompts.jsonl", output_dir="unused",
-                           compile="eager", compile_scope="block").validate()  # fmt: skip
+                           decode=DecodeSettings(compile="eager", compile_scope="block")).validate()  # fmt: skip
     spec = worker_spec(cfg, gpu=False)
-    assert spec.decode["compile_scope"] == "block"
-    assert DecodeConfig(**spec.decode).validate().compile_scope == "block"  # tdlm/generation/worker.py's _load
+    assert spec.decode is cfg.decode and spec.decode.compile_scope == "block"
     assert "compile_scope" not in cfg.identity([], None, None)["decode"]
     assert cfg.run_settings()["compile_scope"] == "block"
     flags = parse_args(["--backbone", "tiny-llada", "--prompts", "p.jsonl", "--output-dir", "o", "--compile-scope",
                         "block"])  # fmt: skip
-    assert flags.compile_scope == "block"
+    assert flags.decode.compile_scope == "block"
     harness = parse_model_args({"pretrained": "tiny-llada", "compile": "eager", "compile_scope": "block"})
-    assert harness.decode_config().compile_scope == "block"
-    assert replace(harness, compile_scope="model").decode_config().compile_scope == "model"
+    assert harness.decode.compile_scope == "block"
 
 
 def test_the_scope_is_not_part_of_a_decodes_identity():

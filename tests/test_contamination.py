@@ -23,6 +23,7 @@ from tdlm.data.contamination import (
 )
 from tdlm.data.prompts import PromptSource
 from tdlm.data.trajectories import TrajectoryRecord, write_parquet
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardTask, ShardWorker, WorkerSpec
 from tdlm.generation.driver import prepare
@@ -53,8 +54,8 @@ def write_jsonl(path: Path, texts: list[str], field: str = "question") -> Path:
 
 
 def cfg_for(out: Path, prompts: str, **kw) -> GenerationConfig:
-    base = dict(backbone="tiny-llada", prompts=prompts, output_dir=str(out), policy="original", gen_length=8,
-                block_size=8, shard_size=4, batch_size=4)  # fmt: skip
+    base = dict(backbone="tiny-llada", prompts=prompts, output_dir=str(out), shard_size=4,
+                decode=DecodeSettings(policy="original", gen_length=8, block_size=8, batch_size=4))  # fmt: skip
     base.update(kw)
     return GenerationConfig(**base)
 
@@ -62,7 +63,7 @@ def cfg_for(out: Path, prompts: str, **kw) -> GenerationConfig:
 def build(cfg: GenerationConfig) -> Path:
     """A finished generation dir without Ray: the driver's step 1 (checks + manifest provenance), then
     the replica class in process, shard by shard."""
-    worker = ShardWorker(WorkerSpec(cfg.backbone, cfg.decode_config().to_dict(), cfg.batch_size, chat=cfg.chat))
+    worker = ShardWorker(WorkerSpec(cfg.backbone, cfg.decode, chat=cfg.chat))
     with prepare(cfg) as store:
         todo = store.open()
         store.check_actor_identity(worker.info())

@@ -185,7 +185,7 @@ def test_demo_recipe_configs_agree_with_each_other():
     run = parse_launch(["--ds", str(REPO / "ds_configs/zero3.json"), "--config", str(REPO / DEMO_TRAIN_CONFIG)]).run
     assert gen.backbone == run.model.backbone == DEMO_BACKBONE
     assert gen.output_dir == run.data.trajectories
-    assert gen.gen_length == gen.block_size == MULTI_GEN_LENGTH and gen.dtype == "float32"
+    assert gen.decode.gen_length == gen.decode.block_size == MULTI_GEN_LENGTH and gen.decode.dtype == "float32"
 
 
 def check_fast_demo_outputs(out: Path) -> None:

@@ -13,13 +13,14 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import tdlm
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 from tdlm.evaluation import EvalConfig, IncompleteResults, compute_speedups, evaluate, expand, pareto_front, render
 from tdlm.evaluation.metrics import SPEEDUP_FIELDS, aggregate
@@ -71,7 +72,12 @@ def cfg_for(out: Path, **kw) -> EvalConfig:
                 data_dir=str(DATA), workers=1, threads=1, warmup=0, score_workers=1, wandb_mode="disabled",
                 policies=["threshold"])  # fmt: skip
     base.update(kw)
-    return EvalConfig(**base)
+    section = {k: base.pop(k) for k in [f.name for f in fields(DecodeSettings)] if k in base}  # the decode: section
+    return EvalConfig(**base, decode=DecodeSettings(**section))
+
+
+def with_decode(cfg: EvalConfig, **kw) -> EvalConfig:
+    return replace(cfg, decode=replace(cfg.decode, **kw))
 
 
 def samples_of(result, task: str, name: str) -> list[dict]:
@@ -178,7 +184,7 @@ def test_method_rows_are_timed_interleaved_in_rotated_order(tmp_path):
 def test_storage_and_compile_reach_the_decode_config_the_worker_decodes_with(tmp_path, monkeypatch):
     """``storage`` travels as ``compile`` does, outside DecodeConfig.to_dict (the run's identity), and the evaluator's
     compile once never reached its workers: what is checked is the DecodeConfig the worker hands to decode, for every
-    decode of every run (the job dicts are what Ray actors get too)."""
+    decode of every run (the jobs are what Ray actors get too; every field: tests/test_decode_settings.py)."""
     import tdlm.evaluation.worker as worker_mod
     from tdlm.evaluation.driver import plan_runs, run_in_process, shard_jobs
 
@@ -209,27 +215,27 @@ def test_storage_is_not_part_of_a_runs_identity_and_each_resumes_the_other(tmp_p
         p = first[0].task.problems[0]
         a.write({"id": p.id, "index": p.index, "prompt": p.prompt})
     for storage in ("static", "dynamic"):
-        again = plan_runs(replace(dynamic, storage=storage))  # same folder: compared with run.json, not refused
+        again = plan_runs(with_decode(dynamic, storage=storage))  # same folder: compared with run.json, not refused
         assert [(q.spec.name, q.identity) for q in again] == [(q.spec.name, q.identity) for q in first], storage
         assert "storage" not in json.dumps(again[0].identity)
-        jobs, skipped = shard_jobs(replace(dynamic, storage=storage), again, 1)
-        assert skipped == 1 and {j.decode["storage"] for j in jobs} == {storage}
+        jobs, skipped = shard_jobs(with_decode(dynamic, storage=storage), again, 1)
+        assert skipped == 1 and {j.settings.storage for j in jobs} == {storage}
 
 
 def test_storage_is_checked_in_one_line_before_anything_is_loaded(tmp_path):
     """A bad value, static with a spatial KV cache, or static with a latent:M history (named, or an adapter's own):
-    one line naming the field and flag, from DecodeConfig's own checks, at validate() / expand() (no weights read)."""
+    one line naming the field, from DecodeSettings' one check, at validate() / expand() (no weights read)."""
     from tdlm.evaluation.config import parse_args
     from tdlm.temporal.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-    with pytest.raises(TDLMError, match=r"^storage \(--storage\): decode storage 'statc' unknown; expected one of "
-                                        r"dynamic, static$"):  # fmt: skip
+    with pytest.raises(TDLMError, match=r"^decode storage 'statc' unknown; expected one of dynamic, static; did you "
+                                        r"mean 'static'\?$"):  # fmt: skip
         cfg_for(tmp_path, storage="statc").validate()
-    with pytest.raises(TDLMError, match=r"^storage \(--storage\): compile='reduce-overhead' captures CUDA graphs, .*"
+    with pytest.raises(TDLMError, match=r"^compile='reduce-overhead' captures CUDA graphs, .*"
                                         r"cache='dual'.*; use storage='static' with it, or compile=True$"):  # fmt: skip
         cfg_for(tmp_path, compile="reduce-overhead", caches=["none", "dual"]).validate()
     cfg_for(tmp_path, storage="static", compile="reduce-overhead", caches=["none", "dual"]).validate()
-    with pytest.raises(TDLMError, match=r"^storage \(--storage\): storage='static' does not cover history latent:2: "
+    with pytest.raises(TDLMError, match=r"^decode.history: storage='static' does not cover history latent:2: "
                                         r".*use storage='dynamic'$"):  # fmt: skip
         cfg_for(tmp_path, storage="static", policies=["tdlm"], adapters=["a"],
                 histories=["full", "latent:2"]).validate()
@@ -238,12 +244,12 @@ def test_storage_is_checked_in_one_line_before_anything_is_loaded(tmp_path):
     (lat / ADAPTER_CONFIG).write_text(json.dumps({"history": "latent:2"}))
     (lat / ADAPTER_WEIGHTS).write_bytes(b"")
     cfg = cfg_for(tmp_path, policies=["tdlm"], adapters=[str(lat)], storage="static").validate()
-    with pytest.raises(TDLMError, match=r"^adapter lat \(storage, --storage\): storage='static' does not cover "
+    with pytest.raises(TDLMError, match=r"^adapter lat: decode.history: storage='static' does not cover "
                                         r"history latent:2"):  # fmt: skip
         expand(cfg)
-    assert [r.history for r in expand(replace(cfg, storage="dynamic"))] == ["latent:2"]
-    assert parse_args(["--backbone", "b", "--output-dir", "o", "--storage", "static"]).storage == "static"
-    assert parse_args(["--backbone", "b", "--output-dir", "o"]).storage == "dynamic"
+    assert [r.history for r in expand(with_decode(cfg, storage="dynamic"))] == ["latent:2"]
+    assert parse_args(["--backbone", "b", "--output-dir", "o", "--storage", "static"]).decode.storage == "static"
+    assert parse_args(["--backbone", "b", "--output-dir", "o"]).decode.storage == "dynamic"
     with pytest.raises(SystemExit):
         parse_args(["--backbone", "b", "--output-dir", "o", "--storage", "statc"])
 
@@ -321,11 +327,12 @@ def test_grid_and_validation(adapters):
         ({"thresholds": [1.5]}, r"tau=1.5 must be in \[0, 1\]"),
         ({"histories": ["sometimes"]}, "history policy 'sometimes' not understood"),
         ({"thresholds": [0.9, 0.9]}, "duplicate"),
-        ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"batch_size": 0}, "decode.batch_size must be an integer >= 1"),
     ]
     for kw, msg in bad:
         with pytest.raises(TDLMError, match=msg):
-            EvalConfig(backbone="b", output_dir="x", **kw).validate()
+            section = {k: kw.pop(k) for k in ("gen_length", "block_size", "batch_size") if k in kw}
+            EvalConfig(backbone="b", output_dir="x", decode=DecodeSettings(**section), **kw).validate()
 
 
 def _synthetic_runs() -> list[dict]:
@@ -401,14 +408,16 @@ def test_every_config_field_has_a_flag():
     run_cli = _run_cli()
     parser = run_cli.build_parser()
     dests = {a.dest for a in parser._actions} - {"help", "config"}
-    assert dests == {f for f in EvalConfig.__dataclass_fields__}
+    swept = ("policy", "threshold", "entropy_threshold", "cache", "history")  # the grid's lists: no flag of their own
+    section = {f"decode.{f.name}" for f in fields(DecodeSettings) if f.name not in swept}
+    assert dests == {f for f in EvalConfig.__dataclass_fields__ if f != "decode"} | section
     assert all(a.help for a in parser._actions)
     cfg = run_cli.parse_args(["--backbone", "tiny-llada", "--output-dir", "o", "--tasks", "gsm8k", "mbpp",
                               "--thresholds", "0.8", "0.9", "--history", "full", "last:3", "--adapter", "a=x", "b=y",
                               "--no-chat", "--workers", "2"])  # fmt: skip
     assert (cfg.tasks, cfg.thresholds, cfg.histories, cfg.adapters, cfg.chat, cfg.workers) == (
         ["gsm8k", "mbpp"], [0.8, 0.9], ["full", "last:3"], ["a=x", "b=y"], False, 2)
-    assert (cfg.gen_length, cfg.block_size, cfg.batch_size) == (256, 32, 1)  # the paper's defaults
+    assert (cfg.decode.gen_length, cfg.decode.block_size, cfg.decode.batch_size) == (256, 32, 1)  # the paper's
     with pytest.raises(TDLMError, match="--output-dir is required"):
         run_cli.parse_args(["--backbone", "tiny-llada"])
 
@@ -416,7 +425,7 @@ def test_every_config_field_has_a_flag():
 def test_yaml_config_and_flag_override(tmp_path):
     run_cli = _run_cli()
     cfg = run_cli.parse_args(["--config", str(REPO / "configs" / "eval_tiny.yaml"), "--limit", "2"])
-    assert cfg.backbone == "tiny-llada" and cfg.limit == 2 and cfg.gen_length == 32
+    assert cfg.backbone == "tiny-llada" and cfg.limit == 2 and cfg.decode.gen_length == 32
     (tmp_path / "bad.yaml").write_text("backbone: tiny-llada\noutput_dir: o\ngen_lenght: 3\n")
     with pytest.raises(TDLMError, match=r"unknown key\(s\) \['gen_lenght'\]"):
         run_cli.parse_args(["--config", str(tmp_path / "bad.yaml")])
@@ -467,7 +476,7 @@ def test_single_worker_end_to_end_with_wandb_tables_and_plots(tmp_path, adapters
     assert json.loads((out / "summary.json").read_text())["runs"] == summary["runs"]
 
     with pytest.raises(TDLMError, match=r"settings differ .*gen_length: 16 -> 32"):
-        evaluate(replace(cfg, gen_length=32))
+        evaluate(with_decode(cfg, gen_length=32))
 
 
 @needs_data

@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import pytest
 
+from tdlm.config import Flag
 from tdlm.errors import TDLMError
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json, resolve_ds_config
@@ -202,14 +204,24 @@ def _eval_run():
 
 
 def _assert_flags_match_fields(cls, parser, flags):
-    """Every field of ``cls`` has exactly one flag whose help starts with the field's comment, and vice versa."""
+    """Every field of ``cls`` has exactly one flag whose help starts with the field's comment, and vice versa; a
+    section's fields (``decode``: a dataclass) each have one as ``section.field``, unless its flag is skipped."""
     from tdlm.config import field_docs
 
     dests = {a.dest for a in parser._actions if a.dest not in ("help", "config")}
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields, docs = set(), {}
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            every = {f"{f.name}.{g.name}" for g in dataclasses.fields(tp)}
+            assert {k for k in flags if k.startswith(f"{f.name}.")} <= every
+            fields |= {k for k in every if not flags.get(k, Flag()).skip}
+            docs |= {f"{f.name}.{k}": v for k, v in field_docs(tp).items()}
+        else:
+            fields.add(f.name)
+            docs[f.name] = field_docs(cls).get(f.name)
     assert dests == fields
-    assert set(flags) <= fields  # no flag settings for a field that no longer exists
-    docs = field_docs(cls)
+    assert set(flags) - fields <= {k for k, v in flags.items() if v.skip}  # no flag for a field that is gone
     for a in parser._actions:
         if a.dest in fields:
             assert docs.get(a.dest), f"{cls.__name__}.{a.dest} has no comment: its flag would have no help"
@@ -241,12 +253,13 @@ def test_generation_flags_people_use_keep_working(tmp_path, capsys):
     cfg = cli.parse_args(["--backbone", "tiny-llada", "--prompts", "p.jsonl", "--output-dir", "o", "--tau", "0.8",
                           "--no-chat", "--allow-eval-prompts", "--num-prompts", "64", "--gen-length", "32",
                           "--block-size", "8", "--shard-size", "16", "--cache", "dual", "--compile", "true"])
-    assert cfg.threshold == 0.8 and cfg.chat is False and cfg.allow_eval_prompts is True and cfg.cache == "dual"
-    assert cfg.num_prompts == 64 and cfg.shard_size == 16 and cfg.compile is True
+    d = cfg.decode
+    assert d.threshold == 0.8 and cfg.chat is False and cfg.allow_eval_prompts is True and d.cache == "dual"
+    assert cfg.num_prompts == 64 and cfg.shard_size == 16 and d.compile is True
     yaml_file = tmp_path / "gen.yaml"
-    yaml_file.write_text("backbone: tiny-llada\nprompts: p.jsonl\noutput_dir: o\nbatch_size: 4\n")
+    yaml_file.write_text("backbone: tiny-llada\nprompts: p.jsonl\noutput_dir: o\ndecode: {batch_size: 4}\n")
     cfg = cli.parse_args(["--config", str(yaml_file), "--batch-size", "2"])
-    assert cfg.batch_size == 2 and cfg.gen_length == cli.GenerationConfig.gen_length  # flags override the file
+    assert cfg.decode.batch_size == 2 and cfg.decode.gen_length == 256  # flags override the file
     with pytest.raises(SystemExit):
         cli.parse_args(["--backbone", "b", "--prompts", "p", "--output-dir", "o", "--polcy", "tdlm"])
     assert "(did you mean --policy?)" in capsys.readouterr().err
@@ -264,7 +277,7 @@ def test_the_flag_names_people_use_keep_working():
         "offline", "--stop-at-eos", "--allow-other-backbone", "--reference-tau", "0.8", "--score-workers", "1",
         "--code-timeout-s", "5", "--code-cpu-s", "3", "--max-restarts", "0", "--max-task-retries", "0",
         "--max-shard-attempts", "1", "--allow-weak-sandbox", "--device", "cpu"])
-    assert cfg.adapters == ["a=x", "y"] and cfg.chat is False and cfg.stop_at_eos is True
+    assert cfg.adapters == ["a=x", "y"] and cfg.chat is False and cfg.decode.stop_at_eos is True
     assert cfg.thresholds == [0.5, 0.9] and cfg.histories == ["full", "last:1"] and cfg.caches == ["none", "dual"]
     assert cfg.limit == 6 and cfg.code_timeout_s == 5.0 and cfg.allow_weak_sandbox is True
 
@@ -367,6 +380,7 @@ def test_an_evaluation_run_is_tagged_with_its_grid_point(tmp_path, monkeypatch):
 # -- 4. an adapter of another backbone is refused before any baseline is decoded ---------------------------------
 def test_a_foreign_adapter_is_refused_before_the_first_decode(tmp_path):
     import tdlm
+    from tdlm.decoding.config import DecodeSettings
     from tdlm.evaluation import EvalConfig, evaluate
     from tdlm.evaluation.driver import check_adapters_fit
 
@@ -375,8 +389,8 @@ def test_a_foreign_adapter_is_refused_before_the_first_decode(tmp_path):
     adapter = tmp_path / "llada-adapter"
     model.save_adapter(adapter)
     cfg = EvalConfig(backbone="tiny-dream", output_dir=str(tmp_path / "out"), tasks=["arith"], limit=2,
-                     policies=["original", "threshold", "tdlm"], adapters=[str(adapter)], gen_length=16,
-                     block_size=8, workers=1, wandb_mode="disabled")
+                     policies=["original", "threshold", "tdlm"], adapters=[str(adapter)],
+                     decode=DecodeSettings(gen_length=16, block_size=8), workers=1, wandb_mode="disabled")
     with pytest.raises(TDLMError, match=r"adapter 'llada-adapter' was trained on backbone 'tiny-llada', not "
                                         r"--backbone tiny-dream: family='llada' \(this backbone: 'dream'\).*nothing "
                                         r"was decoded; pass --allow-other-backbone"):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from tdlm.data.store import sha256_of, shard_name
 from tdlm.data.tokenizer import encode_prompts, load_tokenizer
 from tdlm.data.trajectories import read_parquet
 from tdlm.decoding import decode
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 from tdlm.generation import MANIFEST, GenerationConfig, ShardStore, ShardTask, ShardWorker, WorkerSpec, generate
 from tdlm.generation.driver import prepare
@@ -72,13 +74,18 @@ def make_cfg(out: Path, prompts: Path, **kw) -> GenerationConfig:
                 num_prompts=N_PROMPTS, policy="threshold", gen_length=16, block_size=8, shard_size=SHARD,
                 batch_size=2, actors=2, log_interval=1.0)  # fmt: skip
     base.update(kw)
-    return GenerationConfig(**base)
+    section = {k: base.pop(k) for k in [f.name for f in fields(DecodeSettings)] if k in base}  # the decode: section
+    return GenerationConfig(**base, decode=DecodeSettings(**section))
+
+
+def with_decode(cfg: GenerationConfig, **kw) -> GenerationConfig:
+    return replace(cfg, decode=replace(cfg.decode, **kw))
 
 
 def build_serial(cfg: GenerationConfig) -> None:
     """A finished output dir without Ray: the same store (driver step 1: prepare) + replica code, one
     shard after another."""
-    worker = ShardWorker(WorkerSpec(cfg.backbone, cfg.decode_config().to_dict(), cfg.batch_size))
+    worker = ShardWorker(WorkerSpec(cfg.backbone, cfg.decode))
     with prepare(cfg) as store:
         todo = store.open()
         store.check_actor_identity(worker.info())
@@ -99,7 +106,7 @@ def reference(cfg: GenerationConfig, model=None) -> list:
     texts = [p.text for p in load_prompts(cfg.prompt_source())]
     tok = load_tokenizer(cfg.backbone)
     model = model or tdlm.load_backbone(cfg.backbone)
-    return decode(model, encode_prompts(tok, texts), cfg.decode_config(), tokenizer=tok)
+    return decode(model, encode_prompts(tok, texts), cfg.decode.decode_config(), tokenizer=tok)
 
 
 def assert_same(records: list, ref: list) -> None:
@@ -147,20 +154,18 @@ def test_config_validation(tmp_path, prompt_file):
     with pytest.raises(TDLMError, match="shard_size must be >= 1"):
         make_cfg(tmp_path, prompt_file, shard_size=0).validate()
     for tau in (-0.1, 0.0, 1.5, float("nan")):
-        with pytest.raises(TDLMError, match=r"threshold \(--tau\) must be in \(0, 1\]"):
+        with pytest.raises(TDLMError, match=r"^decode.threshold \(--tau\) must be in \(0, 1\]"):
             make_cfg(tmp_path, prompt_file, threshold=tau).validate()
     make_cfg(tmp_path, prompt_file, threshold=1.0).validate()
     for h in (0.0, -1.0, float("inf")):
-        with pytest.raises(TDLMError, match=r"entropy_threshold \(--entropy-threshold, H\) must be a positive"):
+        with pytest.raises(TDLMError, match=r"^decode.entropy_threshold \(--entropy-threshold, H\) must be a positive"):
             make_cfg(tmp_path, prompt_file, policy="entropy", entropy_threshold=h).validate()
 
 
 def test_storage_and_compile_reach_the_replicas_decode_config(tmp_path, prompt_file):
-    """The replicas got DecodeConfig.to_dict(), the manifest's identity, which leaves out compile and storage: both
-    were dropped on the way and every replica decoded eager and dynamic. Checked on the DecodeConfig a replica built
-    from the spec the driver sends (tdlm.generation.driver.worker_spec)."""
-    from dataclasses import replace
-
+    """The replicas once got DecodeConfig.to_dict(), the manifest's identity, which leaves out compile and storage: both
+    were dropped on the way and every replica decoded eager and dynamic. Checked on the settings a replica holds from
+    the spec the driver sends (tdlm.generation.driver.worker_spec; every field: tests/test_decode_settings.py)."""
     from tdlm.generation.driver import worker_spec
 
     cfg = make_cfg(tmp_path / "out", prompt_file, storage="static", compile="eager").validate()
@@ -172,20 +177,18 @@ def test_storage_and_compile_reach_the_replicas_decode_config(tmp_path, prompt_f
     worker.config = replace(worker.config, compile=False)  # eager here (seconds): static decodes dynamic's tokens
     ps = load_prompts(cfg.prompt_source())
     res = worker.run_shard(ShardTask(0, [p.source_id for p in ps], [p.text for p in ps]))
-    assert_same(res.records, reference(replace(cfg, storage="dynamic", compile=False)))
+    assert_same(res.records, reference(with_decode(cfg, storage="dynamic", compile=False)))
 
 
 def test_storage_is_checked_before_anything_starts(tmp_path, prompt_file):
-    from dataclasses import replace
-
     from tdlm.generation.cli import parse_args
     from tdlm.generation.driver import check_models_and_hub
     from tdlm.temporal.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
-    with pytest.raises(TDLMError, match=r"^storage \(--storage\): decode storage 'statc' unknown; expected one of "
-                                        r"dynamic, static$"):  # fmt: skip
+    with pytest.raises(TDLMError, match=r"^decode storage 'statc' unknown; expected one of dynamic, static; did you "
+                                        r"mean 'static'\?$"):  # fmt: skip
         make_cfg(tmp_path, prompt_file, storage="statc").validate()
-    with pytest.raises(TDLMError, match=r"^storage \(--storage\): compile='reduce-overhead' captures CUDA graphs, .*"
+    with pytest.raises(TDLMError, match=r"^compile='reduce-overhead' captures CUDA graphs, .*"
                                         r"cache='prefix'.*; use storage='static' with it, or compile=True$"):
         make_cfg(tmp_path, prompt_file, compile="reduce-overhead", cache="prefix").validate()
     make_cfg(tmp_path, prompt_file, storage="static", cache="prefix").validate()
@@ -194,12 +197,13 @@ def test_storage_is_checked_before_anything_starts(tmp_path, prompt_file):
     (lat / ADAPTER_CONFIG).write_text(json.dumps({"history": "latent:2"}))
     (lat / ADAPTER_WEIGHTS).write_bytes(b"")
     cfg = make_cfg(tmp_path, prompt_file, policy="tdlm", adapter=str(lat), storage="static").validate()
-    with pytest.raises(TDLMError, match=rf"^--adapter {lat} \(storage, --storage\): storage='static' does not cover "
+    with pytest.raises(TDLMError, match=rf"^--adapter {lat}: decode.history: storage='static' does not cover "
                                         r"history latent:2: .*use storage='dynamic'$"):  # fmt: skip
         check_models_and_hub(cfg)
-    check_models_and_hub(replace(cfg, storage="dynamic"))
+    check_models_and_hub(with_decode(cfg, storage="dynamic"))
     argv = ["--backbone", "b", "--prompts", "p", "--output-dir", "o"]
-    assert parse_args([*argv, "--storage", "static"]).storage == "static" and parse_args(argv).storage == "dynamic"
+    assert parse_args([*argv, "--storage", "static"]).decode.storage == "static"
+    assert parse_args(argv).decode.storage == "dynamic"
 
 
 @pytest.fixture
@@ -223,7 +227,7 @@ def no_hub(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--tau", "-0.1"], "threshold (--tau) must be in (0, 1]; got -0.1"),
+    (["--tau", "-0.1"], "decode.threshold (--tau) must be in (0, 1] for teacher trajectories; got -0.1"),
     (["--policy", "entropy", "--entropy-threshold", "0"], "entropy_threshold (--entropy-threshold, H) must be"),
     (["--backbone", "no-such-backbone"], "unknown backbone 'no-such-backbone'"),
     (["--backbone", "GSAI-ML/LLaDA-8B-Instruct", "--prompts", "openai/gsm8k"],
@@ -258,7 +262,7 @@ def test_replica_reports_progress_per_batch(prompt_file, monkeypatch):
     import tdlm.generation.worker as worker_mod
 
     seen = []
-    worker = ShardWorker(WorkerSpec("tiny-llada", {"gen_length": 16, "block_size": 8}, batch_size=3))
+    worker = ShardWorker(WorkerSpec("tiny-llada", DecodeSettings(gen_length=16, block_size=8, batch_size=3)))
     real = worker_mod.decode
 
     def spy(*a, on_result, **kw):
@@ -301,7 +305,7 @@ def test_replica_with_adapter_equals_decode(tmp_path, prompt_file):
             mod.o_proj.weight.copy_(torch.randn(mod.o_proj.weight.shape, generator=g) * 0.5)
     model.save_adapter(tmp_path / "adapter")
     cfg = make_cfg(tmp_path / "out", prompt_file, policy="tdlm", adapter=str(tmp_path / "adapter"), num_prompts=5)
-    spec = WorkerSpec("tiny-llada", cfg.decode_config().to_dict(), batch_size=2, adapter=cfg.adapter, dtype="float64")
+    spec = WorkerSpec("tiny-llada", replace(cfg.decode, batch_size=2, dtype="float64"), adapter=cfg.adapter)
     ps = load_prompts(cfg.prompt_source())
     worker = ShardWorker(spec)
     res = worker.run_shard(ShardTask(0, [p.source_id for p in ps], [p.text for p in ps]))
@@ -312,7 +316,7 @@ def test_replica_with_adapter_equals_decode(tmp_path, prompt_file):
 
 
 def test_replica_reports_load_errors_cleanly():
-    worker = ShardWorker(WorkerSpec("no-such-backbone", {"gen_length": 16, "block_size": 8}))
+    worker = ShardWorker(WorkerSpec("no-such-backbone", DecodeSettings(gen_length=16, block_size=8)))
     with pytest.raises(TDLMError, match="unknown backbone 'no-such-backbone'"):
         worker.info()
 
@@ -491,7 +495,7 @@ def test_shard_barrier_holds_until_enough_replicas(tmp_path, monkeypatch):
     faults = FaultInjection.from_env(str(tmp_path))
     assert faults is not None and faults.barrier == 2
     worker = ShardWorker.__new__(ShardWorker)  # the barrier needs only the spec, not a loaded model
-    worker.spec = WorkerSpec(backbone="tiny-llada", decode={}, faults=faults)
+    worker.spec = WorkerSpec(backbone="tiny-llada", decode=DecodeSettings(), faults=faults)
     t = threading.Thread(target=worker._maybe_wait_at_barrier)
     t.start()
     t.join(0.5)
@@ -516,7 +520,7 @@ def test_two_actors_equal_single_process_decode(ray_cluster, tmp_path, prompt_fi
     nfe = [x.nfe for x in ref]
     assert m["nfe"]["mean"] == pytest.approx(sum(nfe) / len(nfe)) and m["nfe"]["max"] == max(nfe)
     assert m["runs"][-1]["replicas"] == 2 and len({e["worker"]["pid"] for e in m["shards"].values()}) == 2
-    assert records[0].backbone_id == "tiny-llada" and records[0].decode_settings == cfg.decode_config().to_dict()
+    assert records[0].backbone_id == "tiny-llada" and records[0].decode_settings == cfg.decode.to_dict()
 
 
 @pytest.mark.slow

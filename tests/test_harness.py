@@ -138,8 +138,8 @@ def test_storage_reaches_the_decode_and_an_adapters_latent_history_is_refused_be
         raise AssertionError("the backbone was loaded")
 
     monkeypatch.setattr(tdlm.models.loading, "load_backbone", loaded)
-    with pytest.raises(tdlm.TDLMError, match=rf"^--model_args adapter={lat}: storage='static' does not cover history "
-                                             r"latent:2: .*use storage='dynamic'$"):  # fmt: skip
+    with pytest.raises(tdlm.TDLMError, match=rf"^--model_args adapter={lat}: decode.history: storage='static' does not "
+                                             r"cover history latent:2: .*use storage='dynamic'$"):  # fmt: skip
         TDLMHarnessLM(pretrained="tiny-arith", adapter=str(lat), storage="static")
     with pytest.raises(AssertionError, match="the backbone was loaded"):  # dynamic: on to the loading
         TDLMHarnessLM(pretrained="tiny-arith", adapter=str(lat))
@@ -185,10 +185,12 @@ def test_python_m_tdlm_harness_cli(adapter, tmp_path):
 
 @pytest.mark.parametrize("argv,pattern", [
     (["--model_args", "pretrained=tiny-arith,threshlod=0.9"], r"unknown key 'threshlod'; did you mean 'threshold'\?"),
-    (["--model_args", "pretrained=tiny-arith,threshold=1.5"], r"threshold=1.5: expected a confidence in \[0, 1\]"),
+    # the decode section's one check (DecodeSettings.validate), named after --model_args
+    (["--model_args", "pretrained=tiny-arith,threshold=1.5"],
+     r"--model_args: decode threshold .* must be a confidence in \[0, 1\]; got 1.5$"),
     (["--model_args", "pretrained=tiny-arith,entropy_threshold=0"],
-     r"entropy_threshold=0(\.0)?: expected an entropy > 0"),
-    (["--model_args", "pretrained=tiny-arith,gen_length=0"], r"gen_length=0: expected an integer >= 1"),
+     r"--model_args: decode entropy_threshold \(H\) must be > 0; got 0(\.0)?$"),
+    (["--model_args", "pretrained=tiny-arith,gen_length=0"], r"--model_args: gen_length and block_size must be >= 1"),
     (["--model_args", "policy=threshold"], r"pretrained=<backbone> is required"),
     (["--model_args", "pretrained=tiny-arith,backbone=tiny-arith"], r"give the backbone once"),
     (["--model_args", "pretrained=tiny-arith", "--limit", "-3"], r"--limit -3: expected a positive number"),
@@ -196,22 +198,25 @@ def test_python_m_tdlm_harness_cli(adapter, tmp_path):
     (["--model_args", "pretrained=tiny-arith", "--limit", "many"], r"--limit 'many': expected a positive number"),
     # issue 30: these passed the pre-check and failed inside lm-eval (policy) or only at decode time
     (["--model_args", "pretrained=tiny-arith,policy=treshold"],
-     r"policy=treshold: expected original \| threshold \| tdlm \| entropy \| credit \| soft; did you mean "
-     r"policy=threshold\?$"),
-    (["--model_args", "pretrained=tiny-arith,cache=dul"], r"cache=dul: expected none \| prefix \| dual; did you mean "
-                                                          r"cache=dual\?$"),
+     r"--model_args: decode policy 'treshold' unknown; expected one of original, threshold, tdlm, entropy, credit, "
+     r"soft; did you mean 'threshold'\?$"),
+    (["--model_args", "pretrained=tiny-arith,cache=dul"],
+     r"--model_args: decode cache 'dul' unknown; expected one of none, prefix, dual; did you mean 'dual'\?$"),
     (["--model_args", "pretrained=tiny-arith,policy=tdlm"], r"policy=tdlm needs adapter="),
     (["--model_args", "pretrained=tiny-arith,adapter=x,policy=original"], r"adapter= is used by policy=tdlm only"),
-    (["--model_args", "pretrained=tiny-arith,history=last:0"], r"history=last:0: expected full, current, last:k"),
+    (["--model_args", "pretrained=tiny-arith,history=last:0"],
+     r"--model_args: decode.history: history policy 'last:0' not understood; expected 'full', 'current', 'last:k'"),
     (["--model_args", "pretrained=tiny-arith,gen_length=40,block_size=16"], r"^error: --model_args: .*block_size"),
     (["--model_args", "pretrained=tiny-arith,compile=fast"], r"^error: --model_args: .*compile"),
-    (["--model_args", "pretrained=tiny-arith,storage=statc"], r"^error: --model_args storage=statc: expected dynamic "
-                                                              r"\| static; did you mean storage=static\?$"),
+    (["--model_args", "pretrained=tiny-arith,storage=statc"],
+     r"^error: --model_args: decode storage 'statc' unknown; expected one of dynamic, static; did you mean "
+     r"'static'\?$"),
     (["--model_args", "pretrained=tiny-arith,compile=reduce-overhead,cache=dual"],
      r"^error: --model_args: compile='reduce-overhead' captures CUDA graphs, .*use storage='static' with it, or "
      r"compile=True$"),
     (["--model_args", "pretrained=tiny-arith,adapter=x,history=latent:2,storage=static"],
-     r"^error: --model_args: storage='static' does not cover history latent:2: .*use storage='dynamic'$"),
+     r"^error: --model_args: decode.history: storage='static' does not cover history latent:2: .*use "
+     r"storage='dynamic'$"),
     (["--model_args", "pretrained=no-such-backbone"], r"pretrained=no-such-backbone: unknown backbone"),
 ])
 def test_cli_mistakes_are_one_line(argv, pattern, capsys, monkeypatch):

@@ -143,13 +143,14 @@ def test_old_folders_with_peft_file_name_still_load_and_peft_adapters_are_refuse
 
 
 def test_card_holds_the_evaluation_table_and_the_cli_writes_it(tmp_path, model):
+    from tdlm.decoding.config import DecodeSettings
     from tdlm.evaluation import EvalConfig, evaluate
 
     ad = tdlm.hub.save_pretrained(model, tmp_path / "ad")
     ev = tmp_path / "eval"
     evaluate(EvalConfig(backbone="tiny-arith", output_dir=str(ev), tasks=["arith"], limit=3, adapters=[f"mine={ad}"],
-                        policies=["original", "tdlm"], thresholds=[0.9], gen_length=40, block_size=40,
-                        dtype="float32", workers=1, wandb_mode="disabled", warmup=0))
+                        policies=["original", "tdlm"], thresholds=[0.9], workers=1, wandb_mode="disabled", warmup=0,
+                        decode=DecodeSettings(gen_length=40, block_size=40, dtype="float32")))
     proc = subprocess.run([sys.executable, "-m", "tdlm.hub", "card", str(ad), "--eval", str(ev), "--repo-id",
                            "someone/tdlm-tiny"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

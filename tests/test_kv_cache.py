@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import tdlm
 from tdlm.decoding import DecodeConfig, decode
+from tdlm.decoding.config import DecodeSettings
 from tdlm.evaluation import EvalConfig, compute_speedups, expand, render
 from tdlm.evaluation.plot import family
 from tdlm.evaluation.report import method_label
@@ -304,9 +305,11 @@ def test_bad_cache_settings_are_one_line_errors(tmp_path):
          r"gen_length=30 must be a multiple of block_size=8 \(cache 'dual' .*\); allowed block sizes: 1, 2, 3, 5"),
     ]  # fmt: skip
     for kw, msg in cases:
-        evalkw = dict(caches=[kw["cache"]], gen_length=kw.get("gen_length", 256), block_size=kw.get("block_size", 32))
+        section = DecodeSettings(gen_length=kw.get("gen_length", 256), block_size=kw.get("block_size", 32))
+        evalkw = dict(caches=[kw["cache"]], decode=section)
         for check, args in ((decode, (bb, PROMPTS)), (lambda **k: DecodeConfig(**k).validate(), ()),
-                            (lambda **k: GenerationConfig("tiny-llada", "p.jsonl", "o", **k).validate(), ()),
+                            (lambda **k: GenerationConfig("tiny-llada", "p.jsonl", "o",
+                                                          decode=DecodeSettings(**k)).validate(), ()),
                             (lambda: EvalConfig("tiny-llada", "o", **evalkw).validate(), None)):  # noqa: B023
             with pytest.raises(tdlm.TDLMError, match=msg) as e:
                 check() if args is None else check(*args, **kw)
@@ -346,9 +349,9 @@ def test_cached_runs_are_rows_labelled_with_their_cache(tmp_path):
     assert [r.name for r in runs] == ["original", "threshold-tau0.9", "threshold-tau0.9-dual", "entropy-H0.5",
                                       "credit-tau0.9", "soft-tau0.9",
                                       "tdlm-a-tau0.9-full", "tdlm-a-tau0.9-full-dual"]  # fmt: skip
-    assert [r.decode_config(cfg).cache for r in runs] == ["none", "none", "dual", "none", "none", "none", "none",
-                                                          "dual"]  # fmt: skip
-    assert "cache" not in runs[1].decode_config(cfg).to_dict()  # uncached identities read as before the field
+    assert [r.settings(cfg).cache for r in runs] == ["none", "none", "dual", "none", "none", "none", "none",
+                                                     "dual"]  # fmt: skip
+    assert "cache" not in runs[1].settings(cfg).to_dict()  # uncached identities read as before the field
     rows = [dict(r.to_dict(), accuracy=0.5, nfe_mean=float(10 + i), seconds_mean=1.0 / (i + 1), n=1,
                  backbone="b", gen_length=256, block_size=32) for i, r in enumerate(runs)]  # fmt: skip
     compute_speedups(rows)

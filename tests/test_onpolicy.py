@@ -23,6 +23,7 @@ from tdlm.data.onpolicy import (
 )
 from tdlm.data.trajectories import TrajectoryRecord, validate_record
 from tdlm.decoding import decode
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 from tdlm.generation.worker import ShardTask, ShardWorker, WorkerSpec
 from tdlm.onpolicy.config import OnPolicyConfig
@@ -80,17 +81,18 @@ def rollout_setup(tmp_path_factory):
 
 
 def _replica(setup: Path, **rollout) -> ShardWorker:
-    decode_cfg = {"policy": "tdlm", "threshold": 0.6, "gen_length": 24, "block_size": 8}
+    decode_cfg = DecodeSettings(policy="tdlm", threshold=0.6, gen_length=24, block_size=8, batch_size=2,
+                                dtype="float32")  # fmt: skip
     ro = {"switch": "uniform", "teacher_policy": "original", "switch_seed": 3, "round": 1, "adapter_version": 0,
           "gap_prompts": 0} | rollout  # fmt: skip
-    return ShardWorker(WorkerSpec("tiny-multi", decode_cfg, batch_size=2, adapter=str(setup / "adapter"),
-                                  rollout=ro, dtype="float32"))  # fmt: skip
+    return ShardWorker(WorkerSpec("tiny-multi", decode_cfg, adapter=str(setup / "adapter"), rollout=ro))
 
 
 def _plain(setup: Path, policy: str) -> list[TrajectoryRecord]:
-    decode_cfg = {"policy": policy, "threshold": 0.6, "gen_length": 24, "block_size": 8}
+    decode_cfg = DecodeSettings(policy=policy, threshold=0.6, gen_length=24, block_size=8, batch_size=2,
+                                dtype="float32")  # fmt: skip
     # the replica's batches (2 rows, sorted by prompt length): the same computation on any CPU, no near-tie to cross
-    w = ShardWorker(WorkerSpec("tiny-multi", decode_cfg, batch_size=2, dtype="float32",
+    w = ShardWorker(WorkerSpec("tiny-multi", decode_cfg,
                                adapter=str(setup / "adapter") if policy == "tdlm" else None))  # fmt: skip
     return w.run_shard(ShardTask(0, [f"p{i}" for i in range(len(PROMPTS))], PROMPTS)).records
 
@@ -212,7 +214,7 @@ def test_current_only_ignores_its_history():
 def _cfg(tmp_path: Path, **kw) -> OnPolicyConfig:
     base = dict(train_config=str(REPO / "configs" / "tiny_multi.yaml"), output_dir=str(tmp_path / "job"),
                 prompts=str(REPO / "data" / "multi_prompts_onpolicy.jsonl"), prompts_per_round=16, rounds=1,
-                gen_length=56, block_size=56)  # fmt: skip
+                decode=DecodeSettings(policy="original", gen_length=56, block_size=56, batch_size=64))  # fmt: skip
     return OnPolicyConfig(**(base | kw))
 
 
@@ -222,7 +224,7 @@ def _cfg(tmp_path: Path, **kw) -> OnPolicyConfig:
     ({"switch": "gaussian"}, "s\\* distribution 'gaussian' unknown"),
     ({"rounds": 0}, "rounds must be >= 1"),
     ({"replay_window": 2, "staleness": 1}, "replay_window=2 .* beyond staleness=1"),
-    ({"teacher_policy": "tdlm"}, "teacher_policy must be one of"),
+    ({"decode": DecodeSettings(policy="tdlm", gen_length=56, block_size=56)}, "decode.policy must be the frozen"),
     ({"rollout_tau": [0.9, 0.95, 0.99]}, "rollout_tau must be one value or 1"),
 ])
 def test_job_refuses_bad_settings_in_one_line(tmp_path, change, message):
@@ -266,7 +268,8 @@ def test_job_refuses_changed_settings_of_finished_rounds(tmp_path):
     job.out.mkdir(parents=True)
     job._mark(0, "prompts", prompts=16)
     Job(_cfg(tmp_path, rounds=3, prompts_per_round=16))  # more rounds: nothing finished changes
-    Job(_cfg(tmp_path, batch_size=7, actors=1))  # run settings may change
+    Job(_cfg(tmp_path, decode=DecodeSettings(policy="original", gen_length=56, block_size=56, batch_size=7),
+             actors=1))  # run settings may change (the batch too)  # fmt: skip
     with pytest.raises(TDLMError, match="other settings \\(mix_lambda: 0.5 -> 0.3\\)"):
         Job(_cfg(tmp_path, mix_lambda=0.3))
 

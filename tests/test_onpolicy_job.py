@@ -17,6 +17,7 @@ import yaml
 import tdlm
 from tdlm.data.store import write_manifest
 from tdlm.data.trajectories import write_parquet
+from tdlm.decoding.config import DecodeSettings
 from tdlm.generation.worker import ShardTask, ShardWorker, WorkerSpec
 from tdlm.onpolicy.job import KILL_ENV
 
@@ -30,7 +31,8 @@ def round0(tmp_path_factory) -> dict:
     layout with a nonzero W_O, so the round-1 student differs from the teacher."""
     d = tmp_path_factory.mktemp("round0")
     texts = [json.loads(x)["question"] for x in (REPO / "data" / "multi_prompts.jsonl").read_text().splitlines()[:8]]
-    spec = WorkerSpec("tiny-multi", {"policy": "original", "gen_length": GEN, "block_size": 8}, dtype="float32")
+    spec = WorkerSpec("tiny-multi", DecodeSettings(policy="original", gen_length=GEN, block_size=8, batch_size=16,
+                                                   dtype="float32"))  # fmt: skip
     recs = ShardWorker(spec).run_shard(ShardTask(0, [f"t{i}" for i in range(8)], texts)).records
     write_parquet(recs, d / "teacher" / "shard-00000.parquet")
     write_manifest(d / "teacher", recs[0].backbone_id, {"policy": "original"})
@@ -52,9 +54,10 @@ def job_cmd(out: Path, round0: dict) -> list[str]:
     cfg = yaml.safe_load((REPO / "configs" / "onpolicy_tiny_multi.yaml").read_text())
     cfg |= {"train_config": str(round0["train"]), "output_dir": str(out), "round0_trajectories": str(round0["teacher"]),
             "round0_adapter": str(round0["adapter"]), "rounds": 1, "prompts_per_round": 8, "mix_size": 8,
-            "mix_lambda": 0.5, "updates_per_round": 3, "gen_length": GEN, "block_size": 8, "shard_size": 4,
-            "batch_size": 4, "actors": 1, "gap_prompts": 2, "launcher": ["deepspeed", "--num_gpus", "1"],
+            "mix_lambda": 0.5, "updates_per_round": 3, "shard_size": 4, "actors": 1, "gap_prompts": 2,
+            "launcher": ["deepspeed", "--num_gpus", "1"],
             "round_overrides": ["optim.warmup_steps=1"], "wandb_mode": "disabled"}  # fmt: skip
+    cfg["decode"] |= {"gen_length": GEN, "block_size": 8, "batch_size": 4}
     path = out.with_suffix(".yaml")
     path.write_text(yaml.safe_dump(cfg))
     return [sys.executable, str(REPO / "ray_jobs" / "onpolicy.py"), "--config", str(path)]

@@ -66,7 +66,7 @@ def test_table4_allocations_are_one_override_each(override, n):
 def test_teacher_generation_recipes(name):
     cfg = load_config(GenerationConfig, REPO / "configs" / f"{name}.yaml").validate()
     assert cfg.num_prompts == 3500 and cfg.prompt_split == "train" and not cfg.allow_eval_prompts
-    assert (cfg.gen_length, cfg.block_size) == (256, 32)
+    assert (cfg.decode.gen_length, cfg.decode.block_size) == (256, 32)
     train_cfg = REPO / "configs" / f"{name.removeprefix('gen_')}.yaml"
     run = parse_launch(["--ds", str(REPO / "ds_configs/zero3.json"), "--config", str(train_cfg)]).run
     assert cfg.backbone == run.model.backbone and cfg.output_dir == run.data.trajectories
@@ -78,7 +78,7 @@ def test_evaluation_recipes():
     assert llada.thresholds == [0.9] and llada.entropy_thresholds == [0.5]
     assert dream.tdlm_thresholds == [0.95] and dream.entropy_thresholds == [0.4] and dream.thresholds == [0.9]
     for cfg in (llada, dream):
-        assert (cfg.gen_length, cfg.block_size, cfg.batch_size) == (256, 32, 1)
+        assert (cfg.decode.gen_length, cfg.decode.block_size, cfg.decode.batch_size) == (256, 32, 1)
         assert set(cfg.tasks) == {"gsm8k", "math500", "mbpp"}
 
 

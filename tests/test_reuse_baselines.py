@@ -8,6 +8,7 @@ the formulas written out here; the evaluator, the harness and the config checks 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -188,22 +189,24 @@ def test_identity_keeps_only_the_policys_own_weights():
 
 
 def test_evaluator_runs_each_policy(tmp_path):
+    from tdlm.decoding.config import DecodeSettings
     from tdlm.evaluation import EvalConfig, evaluate, expand
     from tdlm.evaluation.report import method_label
 
-    cfg = EvalConfig(backbone="tiny-arith", output_dir=str(tmp_path), tasks=["arith"], limit=3, gen_length=16,
-                     block_size=8, workers=1, threads=1, warmup=0, score_workers=1, wandb_mode="disabled",
-                     policies=["threshold", "credit", "soft"], thresholds=[0.9, 0.7], credit_thresholds=[0.9],
-                     soft_weight=0.2, caches=["none", "dual"], batch_size=2, dtype="float32")  # fmt: skip
+    section = DecodeSettings(gen_length=16, block_size=8, soft_weight=0.2, batch_size=2, dtype="float32")
+    cfg = EvalConfig(backbone="tiny-arith", output_dir=str(tmp_path), tasks=["arith"], limit=3, workers=1, threads=1,
+                     warmup=0, score_workers=1, wandb_mode="disabled", policies=["threshold", "credit", "soft"],
+                     thresholds=[0.9, 0.7], credit_thresholds=[0.9], caches=["none", "dual"],
+                     decode=section)  # fmt: skip
     names = [s.name for s in expand(cfg.validate())]
     assert names == ["threshold-tau0.9", "threshold-tau0.9-dual", "threshold-tau0.7", "threshold-tau0.7-dual",
                      "credit-tau0.9", "credit-tau0.9-dual", "soft-tau0.9", "soft-tau0.9-dual", "soft-tau0.7",
                      "soft-tau0.7-dual"]  # fmt: skip
     specs = {s.name: s for s in expand(cfg)}
-    assert specs["soft-tau0.7"].decode_config(cfg).soft_weight == 0.2
+    assert specs["soft-tau0.7"].settings(cfg).soft_weight == 0.2
     with pytest.raises(tdlm.TDLMError, match=r"^decode credit_decay .* must be in \[0, 1\]; got 2"):
-        EvalConfig(**{**cfg.to_dict(), "credit_decay": 2}).validate()
-    small = EvalConfig(**{**cfg.to_dict(), "thresholds": [0.9], "caches": ["dual"]})
+        dataclasses.replace(cfg, decode=dataclasses.replace(section, credit_decay=2)).validate()
+    small = dataclasses.replace(cfg, thresholds=[0.9], caches=["dual"])
     runs = {r["name"]: r for r in evaluate(small).runs}
     assert set(runs) == {"threshold-tau0.9-dual", "credit-tau0.9-dual", "soft-tau0.9-dual"}
     assert method_label(runs["credit-tau0.9-dual"]) == "dInfer credit τ=0.9 + dual cache"
@@ -229,7 +232,7 @@ def test_harness_accepts_each_policy():
     from tdlm.harness.model import parse_model_args
 
     cfg = parse_model_args({"pretrained": "tiny-arith", "policy": "credit", "credit_alpha": 0.5})
-    assert cfg.decode_config().credit_alpha == 0.5 and cfg.decode_config().credit_decay == 0.8
+    assert cfg.decode.credit_alpha == 0.5 and cfg.decode.credit_decay == 0.8
     with pytest.raises(tdlm.TDLMError, match=r"^--model_args: decode soft_weight .* got -1"):
         parse_model_args({"pretrained": "tiny-arith", "policy": "soft", "soft_weight": -1})
     tok = tdlm.data.tokenizer.load_tokenizer("tiny-arith")

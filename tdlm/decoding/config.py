@@ -1,18 +1,21 @@
-"""Decoding settings (:class:`DecodeConfig`, one line per bad value) and the check of a ``compile=`` value against this
-torch and a device (:func:`check_compile`): what every entry point validates before anything is loaded."""
+"""Decoding settings (:class:`DecodeConfig`, one line per bad value), the one ``decode:`` section of every job config
+(:class:`DecodeSettings` and its flags, :func:`decode_flags`) and the check of a ``compile=`` value against this torch
+and a device (:func:`check_compile`): what every entry point validates before anything is loaded."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tdlm.config import Flag
 from tdlm.decoding.reuse import REUSE_DEFAULTS, REUSE_POLICIES, check_reuse_fields, settings_of
 from tdlm.errors import TDLMError
-from tdlm.models.kv_cache import check_cache_mode
+from tdlm.models.kv_cache import CACHE_MODES
 from tdlm.temporal.history import HistoryPolicy
 
 POLICIES = ("original", "threshold", "tdlm", "entropy", *REUSE_POLICIES)
@@ -27,7 +30,7 @@ class DecodeConfig:
 
     policy: str = "threshold"  # original | threshold | tdlm | entropy | credit | soft
     gen_length: int = 256  # response tokens N
-    block_size: int = 32
+    block_size: int = 32  # semi-autoregressive block: the canvas is decoded block by block, left to right
     threshold: float = 0.9  # tau of Eq. (6) for threshold / tdlm
     entropy_threshold: float = 0.5  # H for the entropy rule
     stop_at_eos: bool = False  # paper setting: no early stop
@@ -55,11 +58,9 @@ class DecodeConfig:
     soft_threshold_decay: float = REUSE_DEFAULTS["soft_threshold_decay"]  # soft: tau_i = max(1 - i decay, tau); 0 off
 
     def validate(self) -> DecodeConfig:
-        if self.policy not in POLICIES:
-            raise TDLMError(f"decode policy {self.policy!r} unknown; expected one of {', '.join(POLICIES)}")
-        check_cache_mode(self.cache)
-        if self.storage not in STORAGE_PLANS:
-            raise TDLMError(f"decode storage {self.storage!r} unknown; expected one of {', '.join(STORAGE_PLANS)}")
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("cache", self.cache, CACHE_MODES)
+        _check_choice("storage", self.storage, STORAGE_PLANS)
         mode = check_compile(self.compile)
         check_compile_scope(self.compile_scope, self.compile)
         if mode is not None and mode[1] in CUDA_GRAPH_MODES and self.cache != "none" and self.storage != "static":
@@ -119,6 +120,90 @@ class DecodeConfig:
         return d
 
 
+def _check_choice(name: str, value, allowed: tuple) -> None:
+    """One line for a value outside ``allowed``, with the nearest allowed one (a typo in a YAML key or a flag)."""
+    if isinstance(value, str) and value in allowed:
+        return
+    near = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise TDLMError(f"decode {name} {value!r} unknown; expected one of {', '.join(allowed)}{hint}")
+
+
+# Weights' dtypes a replica may load in (DecodeSettings.dtype); None keeps the checkpoint's torch_dtype.
+DTYPES = ("float32", "bfloat16", "float16")
+# DecodeSettings fields that an evaluation sweeps through lists of its own (EvalConfig.policies, thresholds ...).
+SWEPT = {"policy": "policies", "threshold": "thresholds", "entropy_threshold": "entropy_thresholds",
+         "cache": "caches", "history": "histories"}  # fmt: skip
+
+
+@dataclass
+class DecodeSettings(DecodeConfig):
+    """The one ``decode:`` section of the evaluation, generation, harness and on-policy configs.
+
+    It is :class:`DecodeConfig` (what one :func:`tdlm.decode` call computes, so every field there is declared once,
+    there) plus the three settings a job needs around the call: the TDLM ``history`` the adapter decodes with, the
+    ``dtype`` a replica loads the weights in and the engine's ``batch_size``. A job validates it once
+    (:meth:`validate`, one line per bad value, naming ``decode.<field>``) before anything is loaded, and hands this same
+    object to its workers, in process or through Ray's pickling: no dict in between, so no field can be dropped on
+    the way (tests/test_decode_settings.py sends every field through each driver).
+
+    What stays outside it: an evaluation is a grid of decodes, so the fields it sweeps (``SWEPT``: policy, tau, H,
+    cache, history) are its lists (``policies``, ``thresholds`` ...) and must keep their defaults here; each run's
+    settings are this section with the run's point written in (:meth:`tdlm.evaluation.config.RunSpec.settings`). An
+    on-policy job's roll-in is policy tdlm at its per-round ``rollout_tau`` list; its section is the teacher's decode.
+    A job's own default batch (generation 1408, evaluation 1, on-policy 64) is its section's default, which a YAML
+    section that sets other keys keeps (:func:`tdlm.config.from_dict` fills a section from its default object).
+    """
+
+    history: str | None = None  # TDLM history restriction (full | current | last:k | latent:M); None = the adapter's
+    dtype: str | None = None  # weights' dtype: float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
+    batch_size: int = 1  # rows the decode engine keeps in flight (a finished row takes the next prompt)
+
+    def validate(self) -> DecodeSettings:
+        """Every check of :meth:`DecodeConfig.validate` and of the three fields added here; one TDLMError line."""
+        super().validate()
+        # float64 too, as load_backbone takes it: tests compare two decode paths exactly in it (no flag offers it)
+        if self.dtype is not None and self.dtype not in (*DTYPES, "float64"):
+            raise TDLMError(f"decode.dtype {self.dtype!r} unknown; expected one of {', '.join(DTYPES)} (or null: the "
+                            f"checkpoint's)")  # fmt: skip
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise TDLMError(f"decode.batch_size must be an integer >= 1; got {self.batch_size!r}")
+        if self.history is not None:
+            try:
+                self.check_history(self.history)
+            except TDLMError as e:
+                raise TDLMError(f"decode.history: {e}") from None
+        return self
+
+    def to_dict(self) -> dict:
+        """:meth:`DecodeConfig.to_dict` (a run's decode identity): ``history``, ``dtype`` and ``batch_size`` are
+        recorded beside it by each job, under the names its files always had."""
+        d = super().to_dict()
+        for name in ("history", "dtype", "batch_size"):
+            del d[name]
+        return d
+
+    def decode_config(self) -> DecodeConfig:
+        """The plain :class:`DecodeConfig` of these settings (what :func:`tdlm.decode` computes)."""
+        return DecodeConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(DecodeConfig)})
+
+
+# The argparse choices of the section's flags, here beside the fields: a job's CLI names none of them.
+_CHOICES = {"policy": POLICIES, "cache": CACHE_MODES, "storage": STORAGE_PLANS, "compile_scope": COMPILE_SCOPES,
+            "dtype": DTYPES}  # fmt: skip
+
+
+def decode_flags(group: str, **fields: Flag) -> dict[str, Flag]:
+    """The flags of a job's ``decode`` section (:func:`tdlm.config.add_dataclass_flags` keys ``decode.<field>``):
+    every field in ``group``, with its choices; ``fields`` changes one field's (another name or group, a narrower
+    choice, or ``Flag(skip=True)``)."""
+    out = {}
+    for f in dataclasses.fields(DecodeSettings):
+        flag = fields.get(f.name, Flag())
+        out[f"decode.{f.name}"] = dataclasses.replace(flag, group=flag.group or group,
+                                                      choices=flag.choices or _CHOICES.get(f.name))  # fmt: skip
+    return out
+
 
 # -- compilation -------------------------------------------------------------------------------------------
 # compile= value -> (torch.compile backend, mode). "eager" / "aot_eager" are dynamo's debugging backends: the
@@ -145,8 +230,7 @@ def check_compile_scope(scope, compile_value) -> str:
     them mutating the regions' outputs in place (TDLM's correction). None of that has been recorded or replayed on
     a GPU here, and the CUDA graphs' gain, no host work between kernels, is what the eager loop between regions
     gives back; the model scope keeps them."""
-    if not isinstance(scope, str) or scope not in COMPILE_SCOPES:
-        raise TDLMError(f"decode compile_scope {scope!r} unknown; expected one of {', '.join(COMPILE_SCOPES)}")
+    _check_choice("compile_scope", scope, COMPILE_SCOPES)
     try:
         mode = check_compile(compile_value)
     except TDLMError:

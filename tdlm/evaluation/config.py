@@ -19,6 +19,12 @@ Settings split in two, as in :mod:`tdlm.generation.config`:
   among them (the driver cannot know which GPU a Ray actor gets): each sample records its worker's device, and
   the summary lists the devices, so a run resumed on another device kind shows it (docs/gpu.md);
 * *run* settings (workers, threads, W&B, scoring workers) may change between a run and its resume.
+
+The decode settings are one ``decode:`` section (:class:`tdlm.decoding.config.DecodeSettings`: gen length, block,
+stop at EOS, compile, compile scope, storage, dtype, batch, the credit / soft weights), shared by every run. The
+fields the grid sweeps (policy, tau, H, cache, history) are its lists instead and keep their defaults in the section;
+each run's settings are the section with the run's point written in (:meth:`RunSpec.settings`), and that object is
+what the worker decodes with.
 """
 
 from __future__ import annotations
@@ -26,20 +32,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
-from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS, DecodeConfig
-from tdlm.decoding.config import COMPILE_SCOPES, check_compile_scope
-from tdlm.decoding.reuse import REUSE_DEFAULTS
+from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml, nest_flags
+from tdlm.decoding import CACHE_MODES, POLICIES
+from tdlm.decoding.config import SWEPT, DecodeSettings, decode_flags
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.tasks import TASK_NAMES
 from tdlm.temporal.adapter_files import adapter_fingerprint  # noqa: F401  (re-exported)
 from tdlm.temporal.history import HistoryPolicy
 
-DTYPES = ("float32", "bfloat16", "float16")
 RUN_ORDER = ("original", "threshold", "entropy", "credit", "soft", "tdlm")  # the paper's Table 1 order, + dInfer's
 
 
@@ -52,41 +56,24 @@ class EvalConfig:
     tasks: list[str] = field(default_factory=lambda: ["gsm8k"])  # benchmarks (gsm8k, math500, mbpp, arith, multi)
     policies: list[str] | None = None  # commit rules; None: original + threshold (+ tdlm when adapters are given)
     adapters: list[str] = field(default_factory=list)  # "DIR" or "LABEL=DIR" (TDLM.save_adapter folders)
-    thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.threshold])  # tau of threshold
+    thresholds: list[float] = field(default_factory=lambda: [DecodeSettings.threshold])  # tau of threshold
     tdlm_thresholds: list[float] | None = None  # tau of tdlm; None = thresholds (Dream: TDLM 0.95)
-    entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeConfig.entropy_threshold])  # H of entropy
+    entropy_thresholds: list[float] = field(default_factory=lambda: [DecodeSettings.entropy_threshold])  # H of entropy
     credit_thresholds: list[float] | None = None  # tau of credit (dInfer's credit decoding); None = thresholds
     soft_thresholds: list[float] | None = None  # tau of soft (dInfer's soft iteration); None = thresholds
-    credit_alpha: float = DecodeConfig.credit_alpha  # credit: weight alpha of log(1 + credit) added to the logits
-    credit_decay: float = DecodeConfig.credit_decay  # credit: decay beta of the credit per evaluation
-    credit_gamma: float = DecodeConfig.credit_gamma  # credit: the credit gains (top-1 probability) ** gamma
-    soft_weight: float = DecodeConfig.soft_weight  # soft: cap of the previous prediction's embedding weight
-    soft_weight_init: float = DecodeConfig.soft_weight_init  # soft: that weight after the first evaluation
-    soft_weight_growth: float = DecodeConfig.soft_weight_growth  # soft: its growth per evaluation
-    soft_threshold_decay: float = DecodeConfig.soft_threshold_decay  # soft: tau_i = max(1 - i * decay, tau); 0 off
     histories: list[str] | None = None  # tdlm history restriction; None = each adapter's trained one
     caches: list[str] = field(default_factory=lambda: ["none"])  # spatial KV caches: none | prefix | dual
     cache_policies: list[str] | None = None  # policies run with each of `caches`; None = all (others: none)
-    gen_length: int = DecodeConfig.gen_length  # response tokens (the canvas)
-    block_size: int = DecodeConfig.block_size  # semi-autoregressive block size
-    stop_at_eos: bool = DecodeConfig.stop_at_eos  # stop a request once EOS is committed (paper: off)
+    # the decode settings every run shares (tdlm.decoding.config.DecodeSettings; batch 1: the paper's latency); its
+    # policy, threshold, entropy_threshold, cache and history are swept by the lists above and stay unset here.
+    # compile: the warm-up decodes compile, so timed seconds exclude compilation; compile and storage are not part of
+    # a run's identity (tokens equal), so either resumes the other's runs
+    decode: DecodeSettings = field(default_factory=lambda: DecodeSettings(batch_size=1))
     limit: int | None = None  # first N problems of each task
     data_dir: str | None = None  # benchmark JSONL dir; None = $TDLM_DATA_DIR, the Hub, data/benchmarks
     chat: bool = True  # prompts through the backbone's chat template
-    dtype: str | None = None  # float32 | bfloat16 | float16; None = checkpoint's torch_dtype
     device: str | None = None  # in-process worker device; None = cuda if available else cpu
-    batch_size: int = 1  # prompts per decode call (paper latency: 1)
     warmup: int = 1  # untimed decodes per worker and run before the timed ones
-    # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); the warm-up
-    # decodes compile, so timed seconds exclude compilation
-    compile: bool | str = DecodeConfig.compile
-    # what one compiled graph covers (tdlm.DecodeConfig.compile_scope): model | block (each transformer block and
-    # temporal layer compiled once for every layer: a cold compile that does not grow with depth; no CUDA-graph mode)
-    compile_scope: str = DecodeConfig.compile_scope
-    # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (history, KV cache
-    # and canvas allocated once per bucket at fixed addresses, what CUDA graphs need; no latent:M history). Tokens
-    # equal: like compile, not part of a run's identity, so either resumes the other's runs
-    storage: str = DecodeConfig.storage
     # run settings (may change on resume)
     workers: int | None = None  # shards / Ray actors; None = one per visible GPU (min 1); 1 = in-process, no Ray
     threads: int | None = None  # torch threads per CPU worker (Ray CPU actors reserve this many CPUs)
@@ -108,7 +95,7 @@ class EvalConfig:
     # MBPP scoring fails closed: it refuses to start when the sandbox lacks a guarantee (no user namespaces, no
     # cgroup / seccomp ...); True scores anyway and records the weakened guarantees in every sample row
     allow_weak_sandbox: bool = False
-    reference_tau: float = DecodeConfig.threshold  # threshold baseline of the "vs threshold" speedup
+    reference_tau: float = DecodeSettings.threshold  # threshold baseline of the "vs threshold" speedup
     # the run every other is compared with on the same problems (paired accuracy difference, McNemar, NFE and
     # seconds ratios; tdlm.evaluation.paired), by its run name; None: threshold-tau<reference_tau>
     reference: str | None = None
@@ -166,16 +153,8 @@ class EvalConfig:
             HistoryPolicy.parse(h)
         if self.histories is not None and not self.histories:
             raise TDLMError("histories: expected at least one (full, last:k, current) or None")
-        cached = [c for p in pols for c in self.caches_for(p) if c != "none"]  # the caches some run decodes with
-        try:
-            check_compile_scope(self.compile_scope, self.compile)
-        except TDLMError as e:
-            raise TDLMError(f"compile_scope (--compile-scope): {e}") from None
-        self._check_storage(pols, cached)
-        DecodeConfig(cache=(cached or ["none"])[0], **self.decode_settings()).validate()  # the weights' ranges too
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise TDLMError(f"dtype {self.dtype!r} unknown; expected one of {', '.join(DTYPES)}")
-        for name in ("batch_size", "score_workers", "max_shard_attempts", "code_cpu_s"):
+        self._check_decode(pols)
+        for name in ("score_workers", "max_shard_attempts", "code_cpu_s"):
             if getattr(self, name) < 1:
                 raise TDLMError(f"{name} must be >= 1; got {getattr(self, name)}")
         for name in ("workers", "threads", "limit"):
@@ -191,18 +170,19 @@ class EvalConfig:
         self.adapter_dirs()  # labels well-formed and unique
         return self
 
-    def _check_storage(self, pols: list[str], cached: list[str]) -> None:
-        """``storage`` against the grid, by DecodeConfig's own checks, before anything is loaded: a
-        ``latent:M`` history named in ``histories``, a CUDA-graph compile mode with a cache under the dynamic plan
-        (an adapter's own history is checked by :func:`expand`)."""
-        try:
-            for cache in cached or ["none"]:
-                DecodeConfig(storage=self.storage, cache=cache, compile=self.compile).validate()
-            if "tdlm" in pols:
-                for h in self.histories or []:
-                    DecodeConfig(policy="tdlm", storage=self.storage).check_history(h)
-        except TDLMError as e:
-            raise TDLMError(f"storage (--storage): {e}") from None
+    def _check_decode(self, pols: list[str]) -> None:
+        """The ``decode:`` section by its one check (:meth:`DecodeSettings.validate`) at every point of the grid known
+        before an adapter is read: each policy with each of its caches and each history named in ``histories`` (an
+        adapter's own history is checked by :func:`expand`). A swept field set in the section is refused: the grid's
+        list decides it, and a value there would silently lose."""
+        for name, lists in SWEPT.items():
+            if getattr(self.decode, name) != getattr(DecodeSettings, name):
+                raise TDLMError(f"decode.{name}={getattr(self.decode, name)!r}: an evaluation sweeps {name} through "
+                                f"{lists} (--{lists.replace('_', '-')}); set it there, not in the decode section")
+        for policy in pols:
+            for cache in self.caches_for(policy):
+                for history in (self.histories or [None]) if policy == "tdlm" else [None]:
+                    replace(self.decode, policy=policy, cache=cache, history=history).validate()
 
     def adapter_dirs(self) -> dict[str, str]:
         """``label -> folder`` of ``adapters`` ("DIR" is labelled by its folder name, "LABEL=DIR" by LABEL)."""
@@ -223,13 +203,6 @@ class EvalConfig:
         if self.cache_policies is None or policy in self.cache_policies:
             return list(self.caches)
         return ["none"]
-
-    def decode_settings(self) -> dict:
-        """The decode fields shared by every run (policy and thresholds are per run; a run's identity keeps the
-        credit / soft weights only for its own policy, DecodeConfig.to_dict)."""
-        return {"gen_length": self.gen_length, "block_size": self.block_size, "stop_at_eos": self.stop_at_eos,
-                "compile": self.compile, "compile_scope": self.compile_scope, "storage": self.storage,
-                **{k: getattr(self, k) for k in REUSE_DEFAULTS}}  # fmt: skip
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -261,13 +234,15 @@ class RunSpec:
         hist = (self.history or "").replace(":", "")
         return f"tdlm-{_slug(self.adapter_label or 'adapter')}-tau{self.threshold:g}-{hist}{suffix}"
 
-    def decode_config(self, cfg: EvalConfig) -> DecodeConfig:
-        kw = cfg.decode_settings()
+    def settings(self, cfg: EvalConfig) -> DecodeSettings:
+        """The run's decode settings: ``cfg.decode`` with this point of the grid written in (checked once, by
+        :meth:`EvalConfig.validate` and :func:`expand`); the worker decodes with this object."""
+        kw: dict = {"policy": self.policy, "cache": self.cache, "history": self.history}
         if self.threshold is not None:
             kw["threshold"] = self.threshold
         if self.entropy_threshold is not None:
             kw["entropy_threshold"] = self.entropy_threshold
-        return DecodeConfig(policy=self.policy, cache=self.cache, **kw).validate()
+        return replace(cfg.decode, **kw)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -324,9 +299,9 @@ def expand(cfg: EvalConfig) -> list[RunSpec]:
                                     raise TDLMError(f"adapter {label}: cache 'dual' cannot serve history {history} "
                                                     f"(allowed caches with it: none, prefix)")  # fmt: skip
                                 try:
-                                    DecodeConfig(policy=policy, storage=cfg.storage).check_history(history)
+                                    replace(cfg.decode, policy=policy, cache=c, history=str(history)).validate()
                                 except TDLMError as e:
-                                    raise TDLMError(f"adapter {label} (storage, --storage): {e}") from None
+                                    raise TDLMError(f"adapter {label}: {e}") from None
                                 runs.append(RunSpec(task, policy, threshold=tau, adapter_label=label, adapter=path,
                                                     history=str(history), cache=c))  # fmt: skip
     names = [(r.task, r.name) for r in runs]
@@ -343,18 +318,18 @@ MODEL, TASKS, GRID, RUN, SCORING, OUTPUT = ("model", "tasks", "decoding grid", "
                                             "output and tracking")
 FLAGS: dict[str, Flag] = {
     "backbone": Flag(group=MODEL), "adapters": Flag(name="--adapter", metavar="[LABEL=]DIR", extend=True, group=MODEL),
-    "dtype": Flag(choices=DTYPES, group=MODEL), "allow_other_backbone": Flag(group=MODEL),
+    "allow_other_backbone": Flag(group=MODEL),
     "device": Flag(group=MODEL),
     "tasks": Flag(choices=TASK_NAMES, group=TASKS), "limit": Flag(group=TASKS), "data_dir": Flag(group=TASKS),
     "chat": Flag(name="--no-chat", negate=True, group=TASKS),
     "policies": Flag(choices=POLICIES, group=GRID), "thresholds": Flag(group=GRID),
     "tdlm_thresholds": Flag(group=GRID), "entropy_thresholds": Flag(group=GRID),
     "histories": Flag(name="--history", group=GRID), "caches": Flag(name="--cache", choices=CACHE_MODES, group=GRID),
-    "cache_policies": Flag(choices=POLICIES, group=GRID), "gen_length": Flag(group=GRID),
-    "block_size": Flag(group=GRID), "stop_at_eos": Flag(group=GRID), "storage": Flag(choices=STORAGE_PLANS),
-    "compile_scope": Flag(choices=COMPILE_SCOPES),
-    **{k: Flag(group=GRID) for k in ("credit_thresholds", "soft_thresholds", *REUSE_DEFAULTS)},
-    **{k: Flag(group=RUN) for k in ("batch_size", "warmup", "workers", "threads", "ray_address", "max_restarts",
+    "cache_policies": Flag(choices=POLICIES, group=GRID),
+    **{k: Flag(group=GRID) for k in ("credit_thresholds", "soft_thresholds")},
+    # the decode section (DecodeSettings): one flag per field it does not leave to the grid's lists
+    **decode_flags(GRID, dtype=Flag(group=MODEL), batch_size=Flag(group=RUN), **dict.fromkeys(SWEPT, Flag(skip=True))),
+    **{k: Flag(group=RUN) for k in ("warmup", "workers", "threads", "ray_address", "max_restarts",
                                     "max_task_retries", "max_shard_attempts", "head_timeout_s")},
     **{k: Flag(group=SCORING) for k in ("score_workers", "code_timeout_s", "code_cpu_s", "allow_weak_sandbox")},
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "group", "project", "tags", "reference_tau",
@@ -378,8 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> EvalConfig:
     args = vars(build_parser().parse_args(argv))
     path = args.pop("config")
-    raw = load_yaml(path)
-    raw.update({k: v for k, v in args.items() if v is not None})
+    raw = nest_flags(load_yaml(path), args)
     for name in ("backbone", "output_dir"):
         if not raw.get(name):
             raise TDLMError(f"--{name.replace('_', '-')} is required (or set {name} in --config)")

@@ -156,14 +156,14 @@ def plan_runs(cfg: EvalConfig) -> list[Plan]:
         identity = {
             "version": IDENTITY_VERSION,
             "backbone": bb,
-            "dtype": cfg.dtype,
+            "dtype": cfg.decode.dtype,
             "chat": cfg.chat,
             "task": spec.task,
             "prompt_version": task.prompt_version,
-            "decode": spec.decode_config(cfg).to_dict(),
+            "decode": spec.settings(cfg).to_dict(),
             "adapter": adapter_fps.get(spec.adapter) if spec.adapter else None,
             "history": spec.history,
-            "batch_size": cfg.batch_size,  # changes what "seconds" measures
+            "batch_size": cfg.decode.batch_size,  # changes what "seconds" measures
         }
         run_dir = out / "runs" / spec.task / spec.name
         path = run_dir / RUN_IDENTITY
@@ -196,18 +196,16 @@ def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[lis
         done = done_ids(plan.run_dir)
         todo = [p for p in plan.task.problems if p.id not in done]
         skipped += len(plan.task.problems) - len(todo)
-        # to_dict leaves compile and storage out of the run's identity (their tokens are equal); the worker needs them
-        dc = plan.spec.decode_config(cfg)
-        decode_cfg = {**dc.to_dict(), **dc.run_settings()}
+        settings = plan.spec.settings(cfg)  # the object the worker decodes with (every field, none dropped)
+        batch = settings.batch_size
         rounds: list[list[ShardJob]] = []
         for w in range(num_shards):
             probs = [(p.id, p.index, p.prompt) for p in todo if shard_of(p.index, num_shards) == w]
-            for k, start in enumerate(range(0, len(probs), cfg.batch_size)):
+            for k, start in enumerate(range(0, len(probs), batch)):
                 if len(rounds) <= k:
                     rounds.append([])
                 rounds[k].append(ShardJob(plan.spec.to_dict(), str(plan.run_dir), w, num_shards,
-                                          probs[start : start + cfg.batch_size], decode_cfg, cfg.batch_size,
-                                          cfg.warmup if k == 0 else 0))  # fmt: skip
+                                          probs[start : start + batch], settings, cfg.warmup if k == 0 else 0))
         per_run.append(rounds)
     jobs = []
     for k in range(max((len(r) for r in per_run), default=0)):
@@ -241,9 +239,13 @@ def _bar(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="sample", file=sys.stderr, disable=total == 0)
 
 
+def worker_spec(cfg: EvalConfig, device: str | None, threads: int | None) -> WorkerSpec:
+    """What a worker loads, in process and on Ray alike: the decode section goes as the object itself (its dtype)."""
+    return WorkerSpec(cfg.backbone, cfg.decode, device, threads, cfg.chat, cfg.allow_other_backbone)
+
+
 def run_in_process(cfg: EvalConfig, jobs: list[ShardJob]) -> None:
-    worker = EvalWorker(WorkerSpec(cfg.backbone, cfg.dtype, cfg.device, cfg.threads, cfg.chat,
-                                   cfg.allow_other_backbone))
+    worker = EvalWorker(worker_spec(cfg, cfg.device, cfg.threads))
     info = worker.info()
     log.info("worker up in-process: %s on %s (%s threads)", info["backbone_id"], info["device_name"], info["threads"])
     with _bar(sum(len(j.problems) for j in jobs), "decode") as bar:
@@ -298,7 +300,7 @@ def worker_launcher(cfg: EvalConfig, num_shards: int) -> tuple[dict, Callable[[]
             log.warning("%d CPU workers x %d threads but %d CPUs: some actors wait", num_shards, threads, cpus)
     # device None: each actor places itself on what Ray gave it (worker.resolve_device: cuda:0 of its own
     # CUDA_VISIBLE_DEVICES with num_gpus=1, else cpu); --device names the in-process worker's device only.
-    spec = WorkerSpec(cfg.backbone, cfg.dtype, None, None if gpus else threads, cfg.chat, cfg.allow_other_backbone)
+    spec = worker_spec(cfg, None, None if gpus else threads)
     # SPREAD: workers on as many nodes as fit, so a lost node takes as few of them as possible with it.
     remote = ray.remote(_RayWorker).options(**opts, max_restarts=cfg.max_restarts,
                                             max_task_retries=cfg.max_task_retries,
@@ -534,8 +536,9 @@ def run_summary(cfg: EvalConfig, plan: Plan, samples: list[dict], bb_id: str) ->
         "prompt_version": plan.task.prompt_version, "backbone": cfg.backbone, "backbone_id": bb_id,
         "policy": spec.policy, "threshold": spec.threshold, "entropy_threshold": spec.entropy_threshold,
         "adapter": spec.adapter, "adapter_label": spec.adapter_label, "history": spec.history, "cache": spec.cache,
-        "allocation": allocation, "trained_by": trained_by, "gen_length": cfg.gen_length, "block_size": cfg.block_size,
-        "stop_at_eos": cfg.stop_at_eos, "batch_size": cfg.batch_size, "dtype": cfg.dtype, "chat": cfg.chat,
+        "allocation": allocation, "trained_by": trained_by, "gen_length": cfg.decode.gen_length,
+        "block_size": cfg.decode.block_size, "stop_at_eos": cfg.decode.stop_at_eos, "batch_size": cfg.decode.batch_size,
+        "dtype": cfg.decode.dtype, "chat": cfg.chat,
         "limit": cfg.limit, "task_source": plan.task.source,
         **aggregate(samples),
         "devices": sorted({s["device"] for s in samples if s.get("device")}),
@@ -654,8 +657,8 @@ def check_adapters_fit(cfg: EvalConfig) -> None:
 def _default_group(cfg: EvalConfig, out: Path) -> str:
     from tdlm.tracking import experiment_group
 
-    what = {"backbone": cfg.backbone, "adapters": cfg.adapters, "tasks": cfg.tasks, "gen_length": cfg.gen_length,
-            "block_size": cfg.block_size, "limit": cfg.limit}
+    what = {"backbone": cfg.backbone, "adapters": cfg.adapters, "tasks": cfg.tasks,
+            "gen_length": cfg.decode.gen_length, "block_size": cfg.decode.block_size, "limit": cfg.limit}
     return experiment_group(None, out.name, what)
 
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tdlm.decoding import DecodeConfig, decode
+from tdlm.decoding import decode
+from tdlm.decoding.config import DecodeSettings
 from tdlm.evaluation.records import Appender, read_records, shard_path
 from tdlm.models.placement import actor_device, describe_placement
 
@@ -42,7 +43,7 @@ class WorkerSpec:
     """What a worker loads (sent to each actor's constructor)."""
 
     backbone: str
-    dtype: str | None = None
+    decode: DecodeSettings  # the job's decode section: the replica loads its weights in decode.dtype
     device: str | None = None  # None: what the process was given (actor_device: a Ray actor's own GPU, else cpu)
     threads: int | None = None  # torch intra-op threads on CPU; None = as set by Ray / OMP
     chat: bool = True
@@ -58,8 +59,9 @@ class ShardJob:
     shard: int
     num_shards: int
     problems: list[tuple[str, int, str]]  # (id, split index, user prompt text)
-    decode: dict  # DecodeConfig fields
-    batch_size: int = 1
+    # the run's decode settings (RunSpec.settings), validated by the driver and received as that same object:
+    # policy, tau, cache, history, compile, storage, batch ... (tests/test_decode_settings.py checks every field)
+    settings: DecodeSettings
     warmup: int = 1
 
 
@@ -103,7 +105,7 @@ class EvalWorker:
         spec = self.spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=self.device)
+        self.backbone = load_backbone(spec.backbone, dtype=spec.decode.dtype, device=self.device)
         self.tokenizer = load_tokenizer(spec.backbone)
         self.stop_ids = stop_token_ids(self.tokenizer, self.backbone.eos_token_id)
         name = torch.cuda.get_device_name(torch.device(self.device)) if self.device.startswith("cuda") else "cpu"
@@ -121,18 +123,18 @@ class EvalWorker:
         error)."""
         return {**describe_placement(self.device), "error": None if self.error is None else repr(self.error)}
 
-    def _model(self, run: dict):
-        if run["policy"] != "tdlm":
+    def _model(self, run: dict, settings: DecodeSettings):
+        if settings.policy != "tdlm":
             return self.backbone
         from tdlm.temporal.model import TDLM
 
         path = run["adapter"]
         model = self._adapters.get(path)
         if model is None:
-            model = TDLM.from_adapter(self.backbone, path, history=run["history"],
+            model = TDLM.from_adapter(self.backbone, path, history=settings.history,
                                       allow_other_backbone=self.spec.allow_other_backbone).to(self.device).eval()
             self._adapters[path] = model
-        model.set_history(run["history"])
+        model.set_history(settings.history)
         return model
 
     def run_shard(self, job: ShardJob, progress: Callable[[int], None] | None = None) -> ShardReport:
@@ -147,26 +149,26 @@ class EvalWorker:
             done = {r["id"] for r in read_records(path)}
             todo = [p for p in job.problems if p[0] not in done]
             if todo:
-                model = self._model(job.run)
-                cfg = DecodeConfig(**job.decode).validate()
+                cfg = job.settings
+                model = self._model(job.run, cfg)
                 ids = encode_prompts(self.tokenizer, [p[2] for p in todo], chat=self.spec.chat)
                 kw = dict(tokenizer=self.tokenizer, stop_ids=self.stop_ids)
                 for _ in range(job.warmup):
-                    decode(model, ids[: job.batch_size], cfg, **kw)
+                    decode(model, ids[: cfg.batch_size], cfg, **kw)
 
                 def finished(i: int, r) -> None:  # a record as each request finishes: nothing lost on a crash
                     pid, index, prompt = todo[i]
                     out.write({
                         "id": pid, "index": index, "prompt": prompt, "generation": r.text, "nfe": r.nfe,
                         "seconds": r.seconds, "prompt_tokens": len(ids[i]), "tokens": r.tokens,
-                        "batch_size": min(job.batch_size, len(todo)), "worker": self.meta,
+                        "batch_size": min(cfg.batch_size, len(todo)), "worker": self.meta,
                     })  # fmt: skip
                     self._count_written()
                     if progress is not None:
                         progress(1)
 
                 # one engine run: batch_size rows, a finished row taking the next problem (refill)
-                decode(model, ids, cfg, batch_size=job.batch_size, on_result=finished, **kw)
+                decode(model, ids, cfg, batch_size=cfg.batch_size, on_result=finished, **kw)
         return ShardReport(job.run_dir, job.shard, len(todo), len(job.problems) - len(todo),
                            time.perf_counter() - t0, dict(self.meta))  # fmt: skip
 

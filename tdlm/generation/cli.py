@@ -9,9 +9,9 @@ import logging
 import os
 import sys
 
-from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml
-from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS
-from tdlm.decoding.config import COMPILE_SCOPES
+from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, from_dict, load_yaml, nest_flags
+from tdlm.decoding import POLICIES
+from tdlm.decoding.config import decode_flags
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
 from tdlm.generation.driver import HeadLost, generate
@@ -24,18 +24,15 @@ MODEL, PROMPTS, DECODING, OUTPUT, CLUSTER = ("model", "prompts", "decoding (tdlm
 ROLLOUT = "on-policy roll-out (set by ray_jobs/onpolicy.py)"
 FLAGS: dict[str, Flag] = {
     **{k: Flag(group=MODEL) for k in ("backbone", "adapter", "allow_other_backbone")},
-    "dtype": Flag(choices=("float32", "bfloat16", "float16"), group=MODEL),
     **{k: Flag(group=PROMPTS) for k in ("prompts", "prompt_field", "prompt_config", "prompt_split", "num_prompts",
                                         "allow_eval_prompts")},
     "chat": Flag(name="--no-chat", negate=True, group=PROMPTS),
-    "policy": Flag(choices=POLICIES, group=DECODING), "threshold": Flag(name="--tau", group=DECODING),
-    **{k: Flag(group=DECODING) for k in ("entropy_threshold", "gen_length", "block_size", "stop_at_eos", "compile")},
-    "cache": Flag(choices=CACHE_MODES, group=DECODING), "storage": Flag(choices=STORAGE_PLANS, group=DECODING),
-    "compile_scope": Flag(choices=COMPILE_SCOPES, group=DECODING),
+    # the decode section (tdlm.decoding.config.DecodeSettings): one flag per field, named after it
+    **decode_flags(DECODING, threshold=Flag(name="--tau"), dtype=Flag(group=MODEL), batch_size=Flag(group=CLUSTER)),
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "shard_size")},
     **{k: Flag(group=ROLLOUT) for k in ("switch", "switch_seed", "round", "adapter_version", "gap_prompts")},
     "teacher_policy": Flag(choices=[p for p in POLICIES if p != "tdlm"], group=ROLLOUT),
-    **{k: Flag(group=CLUSTER) for k in ("batch_size", "actors", "cpus_per_actor", "address", "max_restarts",
+    **{k: Flag(group=CLUSTER) for k in ("actors", "cpus_per_actor", "address", "max_restarts",
                                         "max_task_retries", "max_shard_attempts", "log_interval", "head_timeout_s")},
 }
 
@@ -59,8 +56,7 @@ def parse_args(argv: list[str] | None = None) -> GenerationConfig:
     p = build_parser()
     args = vars(p.parse_args(argv))
     path = args.pop("config")
-    raw = load_yaml(path) if path else {}
-    raw.update({k: v for k, v in args.items() if v is not None})
+    raw = nest_flags(load_yaml(path) if path else {}, args)
     missing = [f"--{k.replace('_', '-')}" for k in ("backbone", "prompts", "output_dir") if raw.get(k) is None]
     if missing:
         p.error(f"{', '.join(missing)} required (as flags or as fields of --config)")

@@ -10,6 +10,11 @@ Settings split in two:
   because :func:`tdlm.decode` gives the same tokens batched or per sample (tested in
   ``tests/test_decoding.py`` and ``tests/test_generation.py``).
 
+The decode settings are one ``decode:`` section (:class:`tdlm.decoding.config.DecodeSettings`): policy, tau, gen
+length, block, cache, history, compile, storage, dtype, batch. Its decode identity (``DecodeSettings.to_dict``) and
+dtype are identity settings; its compile, compile scope, storage and batch are run settings (tokens equal). The
+replicas receive that section as the same object (:func:`tdlm.generation.driver.worker_spec`).
+
 ``allow_eval_prompts`` is neither: it only permits evaluation problems among the prompts (refused by
 default, :mod:`tdlm.data.contamination`); what was found is written to ``manifest["contamination"]``.
 """
@@ -17,13 +22,12 @@ default, :mod:`tdlm.data.contamination`); what was found is written to ``manifes
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tdlm.data.contamination import check_prompt_source
 from tdlm.data.prompts import Prompt, PromptSource, prompts_digest
 from tdlm.data.trajectories import SCHEMA_VERSION
-from tdlm.decoding import DecodeConfig
-from tdlm.decoding.config import check_compile_scope
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 
 
@@ -44,17 +48,14 @@ class GenerationConfig:
     # Generate from problems the evaluator scores (GSM8K test, MATH-500, MBPP test, arith held-out)?
     # Refused unless set (tdlm.data.contamination); the manifest records what was found either way.
     allow_eval_prompts: bool = False
-    # decoding (tdlm.DecodeConfig)
-    policy: str = DecodeConfig.policy  # commit rule: original | threshold | tdlm | entropy
-    threshold: float = DecodeConfig.threshold  # confidence threshold tau of policies threshold / tdlm (Eq. 6)
-    entropy_threshold: float = DecodeConfig.entropy_threshold  # entropy bound H of policy entropy
-    gen_length: int = DecodeConfig.gen_length  # response tokens
-    block_size: int = DecodeConfig.block_size  # semi-autoregressive block size
-    stop_at_eos: bool = DecodeConfig.stop_at_eos  # stop a row once EOS is committed (the paper: off)
-    cache: str = DecodeConfig.cache  # spatial KV cache: none | prefix | dual (tdlm/models/kv_cache.py)
+    # The decode settings (tdlm.decoding.config.DecodeSettings). batch_size: prompts the engine keeps in flight in an
+    # actor (at most a shard's); the default is the largest backbone batch one H200 (141 GB, 2 GiB reserve) holds
+    # with its replica at prompt 256 + 256 tokens, rounded down to a multiple of 64: 1,409 for Dream-7B, 1,684 for
+    # LLaDA-8B (bench/results/true_shape.json, decode_memory.*.generation). policy 'tdlm' with history 'full' keeps
+    # ~1 GiB of history per row at 8B: lower it there.
+    decode: DecodeSettings = field(default_factory=lambda: DecodeSettings(batch_size=1408))
     adapter: str | None = None  # TDLM adapter folder, needed by (and only by) policy 'tdlm'
     allow_other_backbone: bool = False  # attach an adapter trained on another backbone (tdlm.TDLM.from_adapter)
-    dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     shard_size: int = 256  # prompts per shard: shard i holds prompts [i*S, (i+1)*S)
     # On-policy roll-outs (tdlm.data.onpolicy; ray_jobs/onpolicy.py sets these). With a switch distribution, each
     # prompt is rolled in with policy tdlm (--adapter), the frozen backbone finishes it from the student's canvas at a
@@ -68,19 +69,6 @@ class GenerationConfig:
     # on the student's and on the teacher's records of them is recorded (the exposure gap)
     gap_prompts: int = 0
     # run settings (may change on resume)
-    # prompts per tdlm.decode call inside an actor (at most a shard's). The largest backbone batch one H200 (141 GB,
-    # 2 GiB reserve) holds with its replica at prompt 256 + 256 tokens, rounded down to a multiple of 64: 1,409 for
-    # Dream-7B, 1,684 for LLaDA-8B (bench/results/true_shape.json, decode_memory.*.generation). policy 'tdlm' with
-    # history 'full' keeps ~1 GiB of history per row at 8B: lower it there.
-    batch_size: int = 1408
-    # torch.compile the decode step (tdlm.DecodeConfig.compile: false | true | reduce-overhead ...); tokens equal
-    compile: bool | str = DecodeConfig.compile
-    # what one compiled graph covers (tdlm.DecodeConfig.compile_scope): model | block (each transformer block and
-    # temporal layer compiled once for every layer: a cold compile that does not grow with depth; no CUDA-graph mode)
-    compile_scope: str = DecodeConfig.compile_scope
-    # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (history, KV cache
-    # and canvas allocated once per bucket at fixed addresses, what CUDA graphs need; no latent:M adapter); tokens equal
-    storage: str = DecodeConfig.storage
     actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
     cpus_per_actor: int = 1  # CPU actors: torch threads per replica
     address: str | None = None  # Ray cluster address; None = RAY_ADDRESS, else a fresh local cluster
@@ -92,47 +80,25 @@ class GenerationConfig:
     # on disk; the same command resumes on a running cluster); Ray's raylets give up on a lost head after 60 s
     head_timeout_s: float = 30.0
 
-    def decode_config(self) -> DecodeConfig:
-        return DecodeConfig(
-            policy=self.policy,
-            gen_length=self.gen_length,
-            block_size=self.block_size,
-            threshold=self.threshold,
-            entropy_threshold=self.entropy_threshold,
-            stop_at_eos=self.stop_at_eos,
-            cache=self.cache,
-            compile=self.compile,
-            compile_scope=self.compile_scope,
-            storage=self.storage,
-        )
-
     def prompt_source(self) -> PromptSource:
         return PromptSource(self.prompts, self.prompt_field, self.prompt_config, self.prompt_split, self.num_prompts)
 
     def validate(self) -> GenerationConfig:
         """Reject incompatible options before any file is touched or any actor started."""
-        # The schema of tau and H (Eq. 6 commits tokens whose confidence reaches tau; a tau <= 0 commits every token
-        # at once: NFE 1 per block, which a manifest once recorded as tau -0.1).
-        tau = self.threshold
+        # Narrower than the decode's own ranges: a tau of 0 (or H = inf) commits every token at once, NFE 1 per block,
+        # which is no teacher trajectory (a manifest once recorded tau -0.1).
+        tau, h = self.decode.threshold, self.decode.entropy_threshold
         if isinstance(tau, bool) or not isinstance(tau, int | float) or not 0 < tau <= 1:
-            raise TDLMError(f"threshold (--tau) must be in (0, 1]; got {tau!r}")
-        h = self.entropy_threshold
+            raise TDLMError(f"decode.threshold (--tau) must be in (0, 1] for teacher trajectories; got {tau!r}")
         if isinstance(h, bool) or not isinstance(h, int | float) or not 0 < h < float("inf"):
-            raise TDLMError(f"entropy_threshold (--entropy-threshold, H) must be a positive number; got {h!r}")
-        try:
-            check_compile_scope(self.compile_scope, self.compile)
-        except TDLMError as e:
-            raise TDLMError(f"compile_scope (--compile-scope): {e}") from None
-        try:
-            DecodeConfig(storage=self.storage, cache=self.cache, compile=self.compile).validate()
-        except TDLMError as e:
-            raise TDLMError(f"storage (--storage): {e}") from None
-        self.decode_config().validate()  # after the checks above, whose messages name the flags
-        if self.policy == "tdlm" and not self.adapter:
+            raise TDLMError(f"decode.entropy_threshold (--entropy-threshold, H) must be a positive number; got {h!r}")
+        self.decode.validate()
+        policy = self.decode.policy
+        if policy == "tdlm" and not self.adapter:
             raise TDLMError("policy 'tdlm' needs --adapter DIR (a folder written by TDLM.save_adapter)")
-        if self.adapter and self.policy != "tdlm":
-            raise TDLMError(f"--adapter is only used by policy 'tdlm'; got policy {self.policy!r}")
-        for name in ("shard_size", "batch_size", "cpus_per_actor", "max_shard_attempts"):
+        if self.adapter and policy != "tdlm":
+            raise TDLMError(f"--adapter is only used by policy 'tdlm'; got policy {policy!r}")
+        for name in ("shard_size", "cpus_per_actor", "max_shard_attempts"):
             if getattr(self, name) < 1:
                 raise TDLMError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.actors is not None and self.actors < 1:
@@ -150,9 +116,9 @@ class GenerationConfig:
             from tdlm.decoding import POLICIES
 
             SwitchDistribution.parse(self.switch, "switch (--switch)")
-            if self.policy != "tdlm":
+            if policy != "tdlm":
                 raise TDLMError(f"--switch rolls in the student: it needs policy 'tdlm' and --adapter; got policy "
-                                f"{self.policy!r}")  # fmt: skip
+                                f"{policy!r}")  # fmt: skip
             teachers = [p for p in POLICIES if p != "tdlm"]
             if self.teacher_policy not in teachers:
                 raise TDLMError(f"teacher_policy (--teacher-policy) must be one of {', '.join(teachers)}; got "
@@ -186,10 +152,12 @@ class GenerationConfig:
             "num_prompts": len(prompts),
             "prompts_sha256": prompts_digest(prompts),
             "chat": self.chat,
-            "decode": self.decode_config().to_dict(),
-            "dtype": self.dtype,
+            "decode": self.decode.to_dict(),
+            "dtype": self.decode.dtype,
             "shard_size": self.shard_size,
         }
+        if self.decode.history is not None:  # only when set: manifests written before it existed still match
+            out["history"] = self.decode.history
         if self.switch is not None:
             out["rollout"] = self.rollout()
         if backbone is not None:
@@ -199,10 +167,12 @@ class GenerationConfig:
         return out
 
     def run_settings(self) -> dict:
-        names = ("backbone", "adapter", "prompts", "batch_size", "actors", "cpus_per_actor", "address",
-                 "max_restarts", "max_task_retries", "max_shard_attempts", "head_timeout_s", "allow_eval_prompts",
-                 "allow_other_backbone", "compile", "compile_scope", "storage")  # fmt: skip
-        return {n: getattr(self, n) for n in names}
+        names = ("backbone", "adapter", "prompts", "actors", "cpus_per_actor", "address", "max_restarts",
+                 "max_task_retries", "max_shard_attempts", "head_timeout_s", "allow_eval_prompts",
+                 "allow_other_backbone")  # fmt: skip
+        d = self.decode
+        return {**{n: getattr(self, n) for n in names}, "batch_size": d.batch_size, "compile": d.compile,
+                "compile_scope": d.compile_scope, "storage": d.storage}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

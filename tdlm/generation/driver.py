@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -136,16 +136,12 @@ def replica_resources(cfg: GenerationConfig, shards_todo: int) -> tuple[int, dic
 
 def worker_spec(cfg: GenerationConfig, gpu: bool, faults: FaultInjection | None = None) -> WorkerSpec:
     """What every replica of ``cfg`` loads and decodes with (``gpu``: the replicas hold a GPU each)."""
-    dc = cfg.decode_config()
     return WorkerSpec(
         backbone=cfg.backbone,
-        # to_dict is the manifest's identity, without compile and storage (their tokens are equal); replicas need them
-        decode={**dc.to_dict(), **dc.run_settings()},
-        batch_size=cfg.batch_size,
+        decode=cfg.decode,  # the validated section itself: every field reaches the replica (none dropped on the way)
         chat=cfg.chat,
         adapter=cfg.adapter,
         allow_other_backbone=cfg.allow_other_backbone,
-        dtype=cfg.dtype,
         # Each replica places itself on what Ray gave it (tdlm.models.placement.actor_device: cuda:0 of its own
         # CUDA_VISIBLE_DEVICES with num_gpus=1, else cpu); a device chosen here would be the driver's view.
         device=None,
@@ -276,11 +272,11 @@ def check_models_and_hub(cfg: GenerationConfig) -> str | None:
         raise (e if repr(cfg.backbone) in str(e) else TDLMError(f"backbone {cfg.backbone!r}: {e}")) from None
     if cfg.adapter:
         adapter_fingerprint(cfg.adapter)  # names the folder and the missing file
-    if cfg.adapter and cfg.storage != "dynamic":  # the adapter's own history (static: no latent:M), before Ray starts
+    if cfg.adapter and cfg.decode.history is None:  # the adapter's own history (static: no latent:M), before Ray
         try:
-            cfg.decode_config().check_history(trained_history(cfg.adapter))
+            replace(cfg.decode, history=str(trained_history(cfg.adapter))).validate()
         except TDLMError as e:
-            raise TDLMError(f"--adapter {cfg.adapter} (storage, --storage): {e}") from None
+            raise TDLMError(f"--adapter {cfg.adapter}: {e}") from None
     if cfg.prompt_source().is_local():
         return None
     why = hub_unreachable()

@@ -20,6 +20,7 @@ import torch
 
 from tdlm.data.trajectories import TrajectoryRecord
 from tdlm.decoding import DecodeConfig, decode
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 from tdlm.models.loading import backbone_fingerprint  # noqa: F401  (re-exported)
 from tdlm.models.placement import actor_device, describe_placement
@@ -73,11 +74,11 @@ class WorkerSpec:
     """What every replica loads and how it decodes (sent to each actor's constructor)."""
 
     backbone: str
-    decode: dict  # DecodeConfig fields
-    batch_size: int = 16
+    # the job's decode section, validated by the driver and received as that same object: the replica loads in its
+    # dtype, restricts the adapter to its history and decodes its batch_size rows with it (none of it re-checked here)
+    decode: DecodeSettings
     chat: bool = True
     adapter: str | None = None
-    dtype: str | None = None
     device: str | None = "cpu"  # None: what the process was given (:func:`actor_device`; the driver's Ray actors)
     allow_other_backbone: bool = False
     threads: int | None = None  # torch intra-op threads on CPU; None = leave as set by Ray/OMP
@@ -126,10 +127,11 @@ class ShardWorker:
         spec = self.spec
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.config = DecodeConfig(**spec.decode).validate()
-        self.backbone = load_backbone(spec.backbone, dtype=spec.dtype, device=self.device)
-        self.model = (TDLM.from_adapter(self.backbone, spec.adapter, allow_other_backbone=spec.allow_other_backbone)
-                      .to(self.device) if spec.adapter else self.backbone)
+        self.config = spec.decode
+        self.backbone = load_backbone(spec.backbone, dtype=spec.decode.dtype, device=self.device)
+        self.model = (TDLM.from_adapter(self.backbone, spec.adapter, history=spec.decode.history,
+                                        allow_other_backbone=spec.allow_other_backbone)
+                      .to(self.device) if spec.adapter else self.backbone)  # fmt: skip
         self.tokenizer = load_tokenizer(spec.backbone)
         self.stop_ids = stop_token_ids(self.tokenizer, self.backbone.eos_token_id)
         self.fingerprint = backbone_fingerprint(spec.backbone)
@@ -215,8 +217,8 @@ class ShardWorker:
             self._progress = (shard, done[0])
 
         out = decode(model, [ids[i] for i in order], config, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
-                     canvas=None if canvas is None else [canvas[i] for i in order], batch_size=self.spec.batch_size,
-                     on_result=finished)  # fmt: skip
+                     canvas=None if canvas is None else [canvas[i] for i in order],
+                     batch_size=self.spec.decode.batch_size, on_result=finished)  # fmt: skip
         results: list = [None] * len(ids)
         for i, r in zip(order, out, strict=True):
             results[i] = r

@@ -37,12 +37,13 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from tdlm.config import from_dict
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 
 log = logging.getLogger("lm_eval.models.tdlm")  # under the harness's own logger (its handler, its level)
@@ -55,112 +56,51 @@ NFE_BY_DOC: dict[tuple[str, str], int] = {}
 
 @dataclass
 class HarnessConfig:
+    """``--model_args`` of the ``tdlm`` model. The decode settings are its ``decode`` section
+    (:class:`tdlm.decoding.config.DecodeSettings`, one check: :meth:`DecodeSettings.validate`); lm-eval's
+    ``--model_args`` is a flat ``key=value`` list, so a key naming one of that section's fields (``policy=``,
+    ``threshold=``, ``storage=`` ...) sets it there (``decode.policy=`` too), and lm-eval's ``--batch_size`` is its
+    ``batch_size``. ``policy`` unset: tdlm with an adapter, else threshold."""
+
     pretrained: str  # the backbone: preset / shipped name, checkpoint folder, or a Hub id in the local HF cache
     adapter: str | None = None  # adapter folder or Hub repo id (policy tdlm)
-    policy: str | None = None  # original | threshold | entropy | credit | soft | tdlm; None = tdlm with an adapter,
-    # else threshold (credit / soft: dInfer's training-free reuse of earlier evaluations, tdlm/decoding/reuse.py)
-    threshold: float = 0.9  # tau of threshold / credit / soft / tdlm
-    entropy_threshold: float = 0.5
-    gen_length: int = 256
-    block_size: int = 32
-    history: str | None = None  # tdlm history restriction (None = the adapter's own)
-    cache: str = "none"  # spatial KV cache: none | prefix | dual
-    compile: bool | str = False  # torch.compile the decode step: false | true | reduce-overhead (tdlm.DecodeConfig)
-    # what one compiled graph covers (tdlm.DecodeConfig.compile_scope): model | block (each transformer block and
-    # temporal layer compiled once for every layer: a cold compile that does not grow with depth; no CUDA-graph mode)
-    compile_scope: str = "model"
-    # where the decode keeps the state its steps write (tdlm.DecodeConfig.storage): dynamic | static (fixed addresses,
-    # what CUDA graphs need; no latent:M history); tokens equal
-    storage: str = "dynamic"
-    stop_at_eos: bool = False
+    decode: DecodeSettings = field(default_factory=DecodeSettings)  # policy, tau, gen length, block, cache ...
     chat: bool = True  # wrap a raw context as a user message through the chat template
-    dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     allow_other_backbone: bool = False
     revision: str | None = None  # Hub revision of the adapter
-    # credit / soft weights (tdlm.DecodeConfig's fields of the same names); None = dInfer's default there
-    credit_alpha: float | None = None  # credit: weight of log(1 + credit) added to the logits (0.7)
-    credit_decay: float | None = None  # credit: decay of the credit per evaluation (0.8)
-    credit_gamma: float | None = None  # credit: the credit gains (top-1 probability) ** gamma (0.2)
-    soft_weight: float | None = None  # soft: cap of the previous prediction's embedding weight (0.3)
-    soft_weight_init: float | None = None  # soft: that weight after the first evaluation (0.15)
-    soft_weight_growth: float | None = None  # soft: its growth per evaluation (0.02)
-    soft_threshold_decay: float | None = None  # soft: threshold tau_i = max(1 - i decay, tau), 0 = off (0.02)
 
     def check(self) -> HarnessConfig:
-        """Range checks, one line each, before anything is loaded."""
-        def bad(field: str, want: str, got) -> TDLMError:
-            return TDLMError(f"--model_args {field}={got}: expected {want}")
-
-        if not 0.0 <= self.threshold <= 1.0:
-            raise bad("threshold", "a confidence in [0, 1]", self.threshold)
-        if not self.entropy_threshold > 0.0:
-            raise bad("entropy_threshold", "an entropy > 0 (nats)", self.entropy_threshold)
-        if self.gen_length < 1:
-            raise bad("gen_length", "an integer >= 1", self.gen_length)
-        if self.block_size < 1:
-            raise bad("block_size", "an integer >= 1", self.block_size)
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise bad("dtype", "float32, bfloat16 or float16", self.dtype)
-        from tdlm.decoding import CACHE_MODES, POLICIES, STORAGE_PLANS
-        from tdlm.decoding.config import COMPILE_SCOPES
-        from tdlm.temporal.history import HistoryPolicy
-
-        for name, value, allowed in (("policy", self.policy, POLICIES), ("cache", self.cache, CACHE_MODES),
-                                     ("storage", self.storage, STORAGE_PLANS),
-                                     ("compile_scope", self.compile_scope, COMPILE_SCOPES)):
-            if value is not None and value not in allowed:
-                near = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
-                raise bad(name, " | ".join(allowed) + (f"; did you mean {name}={near[0]}?" if near else ""), value)
-        policy = self.resolved_policy()
+        """The checks that need no file, one line each, before anything is loaded."""
+        policy = self.decode.policy
         if policy == "tdlm" and not self.adapter:
             raise TDLMError("--model_args: policy=tdlm needs adapter=<folder or Hub repo id>")
         if self.adapter and policy != "tdlm":
             raise TDLMError(f"--model_args: adapter= is used by policy=tdlm only; policy is {policy}")
-        if self.history is not None:
-            try:
-                HistoryPolicy.parse(self.history)
-            except TDLMError:
-                raise bad("history", "full, current, last:k or latent:M (k, M >= 1)", self.history) from None
         try:
-            self.decode_config().validate()
-            if self.history is not None:
-                self.decode_config().check_history(self.history)
+            self.decode.validate()
         except TDLMError as e:
             raise TDLMError(f"--model_args: {e}") from None
         return self
 
     def check_adapter_history(self, folder: str | os.PathLike) -> None:
-        """With ``history`` unset the adapter decodes its own: checked against ``storage`` from its config file,
-        before the backbone is loaded."""
-        if self.history is None and self.resolved_policy() == "tdlm":
+        """With ``history`` unset the adapter decodes its own: checked against the section (``storage``) from its
+        config file, before the backbone is loaded."""
+        if self.decode.history is None and self.decode.policy == "tdlm":
             from tdlm.temporal.adapter_files import trained_history
 
             try:
-                self.decode_config().check_history(trained_history(folder))
+                replace(self.decode, history=str(trained_history(folder))).validate()
             except TDLMError as e:
                 raise TDLMError(f"--model_args adapter={self.adapter}: {e}") from None
 
-    def resolved_policy(self) -> str:
-        return self.policy or ("tdlm" if self.adapter else "threshold")
-
-    def decode_config(self):  # noqa: ANN201 - tdlm.decoding.DecodeConfig, imported lazily (lm-eval loads this file)
-        from tdlm.decoding import DecodeConfig
-
-        return DecodeConfig(policy=self.resolved_policy(), gen_length=self.gen_length, block_size=self.block_size,
-                            threshold=self.threshold, entropy_threshold=self.entropy_threshold,
-                            stop_at_eos=self.stop_at_eos, cache=self.cache, compile=self.compile,
-                            compile_scope=self.compile_scope, storage=self.storage,
-                            **{k: getattr(self, k) for k in REUSE_FIELDS if getattr(self, k) is not None})
-
 
 _ALIASES = {"backbone": "pretrained"}
-REUSE_FIELDS = ("credit_alpha", "credit_decay", "credit_gamma", "soft_weight", "soft_weight_init",
-                "soft_weight_growth", "soft_threshold_decay")  # fmt: skip
 
 
-def parse_model_args(args: dict) -> HarnessConfig:
-    """``--model_args`` as a dict -> :class:`HarnessConfig`; ``backbone=`` is an alias of ``pretrained=``; an unknown
-    key names its nearest valid key."""
+def parse_model_args(args: dict, batch_size: int = 1) -> HarnessConfig:
+    """``--model_args`` as a dict (and lm-eval's ``--batch_size``) -> :class:`HarnessConfig`; ``backbone=`` is an
+    alias of ``pretrained=``; a key naming a decode field goes into the ``decode`` section; an unknown key names its
+    nearest valid key."""
     args = dict(args)
     for alias, name in _ALIASES.items():
         if alias in args:
@@ -170,14 +110,22 @@ def parse_model_args(args: dict) -> HarnessConfig:
     if args.get("pretrained") in (None, ""):
         raise TDLMError("--model_args: pretrained=<backbone> is required (a preset such as tiny-multi, a checkpoint "
                         "folder or a Hub id)")
-    valid = [f.name for f in fields(HarnessConfig)] + list(_ALIASES)
-    for key in args:
-        if key not in valid:
+    own = [f.name for f in fields(HarnessConfig) if f.name != "decode"]
+    section = [f.name for f in fields(DecodeSettings) if f.name != "batch_size"]  # batch: lm-eval's --batch_size
+    valid = own + section + list(_ALIASES)
+    decode: dict = {"batch_size": batch_size}
+    for key in list(args):
+        name = key.removeprefix("decode.")
+        if name in section:
+            decode[name] = args.pop(key)
+        elif key not in valid:
             near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise TDLMError(f"--model_args: unknown key {key!r}{hint} (valid: {', '.join(valid)})")
+    if decode.get("policy") is None:
+        decode["policy"] = "tdlm" if args.get("adapter") else "threshold"
     args["pretrained"] = str(args["pretrained"])
-    return from_dict(HarnessConfig, args, "--model_args").check()
+    return from_dict(HarnessConfig, {**args, "decode": decode}, "--model_args").check()
 
 
 def _batch_size(value) -> int:
@@ -201,26 +149,27 @@ class TDLMHarnessLM(LM):
         from tdlm.models.loading import load_backbone
         from tdlm.temporal.model import TDLM
 
-        self.config = parse_model_args(model_args)  # every value checked (HarnessConfig.check)
+        # every value checked (HarnessConfig.check); the section is what decode() receives, as it is
+        self.config = parse_model_args(model_args, _batch_size(batch_size))
         c = self.config
-        policy = c.resolved_policy()
-        self.decode_config = c.decode_config().validate()
-        self.batch_size_per_call = _batch_size(batch_size)
+        policy = c.decode.policy
+        self.decode_config = c.decode
+        self.batch_size_per_call = c.decode.batch_size
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             if device is not None:  # the harness's default is cuda:0; as its HF model does, fall back to the CPU
                 log.warning("--device %s: no CUDA device here; decoding on the CPU", device)
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(device)
         adapter = c.adapter
-        if policy == "tdlm" and c.storage != "dynamic":  # the adapter's own history, before the backbone loads
+        if policy == "tdlm" and c.decode.storage != "dynamic":  # the adapter's own history, before the backbone loads
             from tdlm.temporal.adapter_files import resolve_adapter
 
             adapter = resolve_adapter(c.adapter, c.revision)
             c.check_adapter_history(adapter)
-        bb = load_backbone(c.pretrained, dtype=c.dtype, device=self._device)
+        bb = load_backbone(c.pretrained, dtype=c.decode.dtype, device=self._device)
         self.model = bb
         if policy == "tdlm":
-            self.model = TDLM.from_pretrained(bb, adapter, history=c.history, revision=c.revision,
+            self.model = TDLM.from_pretrained(bb, adapter, history=c.decode.history, revision=c.revision,
                                               allow_other_backbone=c.allow_other_backbone)
         self.tokenizer = load_tokenizer(c.pretrained)
         self.stop_ids = stop_token_ids(self.tokenizer, bb.eos_token_id)
@@ -283,10 +232,10 @@ class TDLMHarnessLM(LM):
             raise TDLMError(f"task {task}: asks for sampling (do_sample={kw.get('do_sample')}, temperature="
                             f"{kw.get('temperature')}); tdlm decodes greedily: pass --gen_kwargs do_sample=false,"
                             f"temperature=0")
-        if "max_gen_toks" in kw and kw["max_gen_toks"] != self.config.gen_length and task not in self._warned:
+        if "max_gen_toks" in kw and kw["max_gen_toks"] != self.config.decode.gen_length and task not in self._warned:
             self._warned.add(task)
             log.warning("task %s: max_gen_toks=%s is not used; the canvas is gen_length=%d tokens", task,
-                        kw["max_gen_toks"], self.config.gen_length)
+                        kw["max_gen_toks"], self.config.decode.gen_length)
         until = kw.get("until") or []
         return [until] if isinstance(until, str) else [u for u in until if u]
 

@@ -7,8 +7,9 @@ import argparse
 import logging
 import sys
 
-from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, load_yaml
+from tdlm.config import Flag, SuggestingParser, add_dataclass_flags, load_yaml, nest_flags
 from tdlm.decoding import POLICIES
+from tdlm.decoding.config import decode_flags
 from tdlm.errors import TDLMError
 from tdlm.onpolicy.config import OnPolicyConfig
 
@@ -20,12 +21,13 @@ FLAGS: dict[str, Flag] = {
     **{k: Flag(group=ROUNDS) for k in ("prompts", "prompt_field", "prompt_config", "prompt_split", "rounds",
                                        "prompts_per_round", "updates_per_round")},
     "chat": Flag(name="--no-chat", negate=True, group=ROUNDS),
-    **{k: Flag(group=DECODING) for k in ("gen_length", "block_size", "rollout_tau", "switch", "dtype",
-                                         "gap_prompts")},
-    "teacher_policy": Flag(choices=[p for p in POLICIES if p != "tdlm"], group=DECODING),
+    **{k: Flag(group=DECODING) for k in ("rollout_tau", "switch", "gap_prompts")},
+    # the decode section (tdlm.decoding.config.DecodeSettings): its policy is the teacher's (--teacher-policy)
+    **decode_flags(DECODING, policy=Flag(name="--teacher-policy", choices=[p for p in POLICIES if p != "tdlm"]),
+                   threshold=Flag(name="--tau"), batch_size=Flag(group=CLUSTER)),
     **{k: Flag(group=MIX) for k in ("mix_lambda", "mix_size", "replay_window", "staleness")},
     **{k: Flag(group=TRACKING) for k in ("wandb_project", "wandb_group", "wandb_mode")},
-    **{k: Flag(group=CLUSTER) for k in ("shard_size", "batch_size", "actors", "cpus_per_actor", "address")},
+    **{k: Flag(group=CLUSTER) for k in ("shard_size", "actors", "cpus_per_actor", "address")},
 }
 
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.pop("config")
     given = {k: v for k, v in args.items() if v is not None}
     try:
-        raw = (load_yaml(path) if path else {}) | given
+        raw = nest_flags(load_yaml(path) if path else {}, given)
         missing = [f"--{k.replace('_', '-')}" for k in ("train_config", "prompts", "output_dir") if raw.get(k) is None]
         if missing:
             p.error(f"{', '.join(missing)} required (as flags or as fields of --config)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tdlm.data.onpolicy import SwitchDistribution
-from tdlm.decoding import POLICIES
+from tdlm.decoding.config import DecodeSettings
 from tdlm.errors import TDLMError
 
 
@@ -34,14 +34,13 @@ class OnPolicyConfig:
     # rounds and prompts
     rounds: int = 2  # on-policy rounds after round 0 (>= 1); more rounds may be added to a finished job
     prompts_per_round: int = 1024  # fresh prompts of each round (round 0's teacher trajectories included)
-    # decoding (tdlm.DecodeConfig) of roll-ins, roll-outs and round 0's teacher
-    gen_length: int = 256
-    block_size: int = 32
-    teacher_policy: str = "original"  # the frozen backbone's commit rule: round 0's teacher and every roll-out
+    # The decode settings (tdlm.decoding.config.DecodeSettings) of round 0's teacher, every roll-out and, with policy
+    # tdlm at the round's rollout_tau, every roll-in: decode.policy is the frozen backbone's commit rule (never tdlm);
+    # batch_size: prompts per decode in an actor
+    decode: DecodeSettings = field(default_factory=lambda: DecodeSettings(policy="original", batch_size=64))
     # policy tdlm's tau of the roll-in, one value for every round or one per round
     rollout_tau: list[float] = field(default_factory=lambda: [0.95])
     switch: str = "uniform"  # s* distribution: uniform | frac:A:B | start (= more fresh teacher data) | end
-    dtype: str | None = None  # float32 | bfloat16 | float16; None = the checkpoint's torch_dtype
     # the mix
     mix_lambda: float = 0.5  # fraction of each round's training mix drawn from its own records, in [0, 1]
     mix_size: int | None = None  # records in each round's mix; None = prompts_per_round
@@ -57,7 +56,6 @@ class OnPolicyConfig:
     wandb_mode: str | None = None  # online | offline | disabled; None = WANDB_MODE, else offline without a key
     # run settings (may change on resume)
     shard_size: int = 256  # prompts per records shard (identity: the shards of a finished round keep theirs)
-    batch_size: int = 64  # prompts per decode call in an actor
     actors: int | None = None  # None = one per GPU, or one per cpus_per_actor CPUs without GPUs
     cpus_per_actor: int = 1
     address: str | None = None  # Ray cluster address; None = RAY_ADDRESS, else a fresh local cluster
@@ -83,16 +81,19 @@ class OnPolicyConfig:
             raise bad("rounds", ">= 1 (round 0 alone is the off-policy pipeline: ray_jobs/generate_trajectories.py "
                       "then launcher/train.py)", self.rounds)
         SwitchDistribution.parse(self.switch, f"{where}: switch")
-        teachers = [p for p in POLICIES if p != "tdlm"]
-        if self.teacher_policy not in teachers:
-            raise bad("teacher_policy", f"one of {', '.join(teachers)}", self.teacher_policy)
+        try:
+            self.decode.validate()
+        except TDLMError as e:
+            raise TDLMError(f"{where}: {e}") from None
+        if self.decode.policy == "tdlm":
+            raise bad("decode.policy", "the frozen backbone's rule (original, threshold, entropy, credit, soft); the "
+                      "roll-ins decode with tdlm at rollout_tau", self.decode.policy)
         if not self.rollout_tau or len(self.rollout_tau) not in (1, self.rounds):
             raise bad("rollout_tau", f"one value or {self.rounds} (one per round)", self.rollout_tau)
         for t in self.rollout_tau:
             if not isinstance(t, int | float) or not 0.0 < t <= 1.0:
                 raise bad("rollout_tau", "values in (0, 1]", self.rollout_tau)
-        for name in ("prompts_per_round", "updates_per_round", "shard_size", "batch_size", "cpus_per_actor",
-                     "gen_length", "block_size"):
+        for name in ("prompts_per_round", "updates_per_round", "shard_size", "cpus_per_actor"):
             if getattr(self, name) < 1:
                 raise bad(name, ">= 1", getattr(self, name))
         if self.mix_size is not None and self.mix_size < 1:
@@ -115,11 +116,21 @@ class OnPolicyConfig:
         """What decides the records and adapters of finished rounds: a resume with any of it changed is refused
         (rounds may grow; the run settings and W&B may change)."""
         keep = ("train_config", "prompts", "prompt_field", "prompt_config", "prompt_split", "chat", "ds",
-                "train_overrides", "round0_trajectories",
-                "round0_adapter", "prompts_per_round", "gen_length", "block_size", "teacher_policy", "rollout_tau",
-                "switch", "dtype", "mix_lambda", "mix_size", "replay_window", "staleness", "updates_per_round",
+                "train_overrides", "round0_trajectories", "round0_adapter", "prompts_per_round", "rollout_tau",
+                "switch", "mix_lambda", "mix_size", "replay_window", "staleness", "updates_per_round",
                 "round_overrides", "seed", "gap_prompts", "shard_size")  # fmt: skip
         out = {k: getattr(self, k) for k in keep}
+        d = self.decode
+        # the decode section under the keys onpolicy.json always had, so jobs started before it still resume; its
+        # other identity fields only where they differ from the defaults those jobs decoded with
+        out.update(gen_length=d.gen_length, block_size=d.block_size, teacher_policy=d.policy, dtype=d.dtype)
+        base = DecodeSettings(policy=d.policy).to_dict()
+        extra = {k: v for k, v in d.to_dict().items() if k not in ("policy", "gen_length", "block_size")
+                 and base.get(k) != v}  # fmt: skip
+        if d.history is not None:
+            extra["history"] = d.history
+        if extra:
+            out["decode"] = extra
         if len(self.rollout_tau) == 1:  # one tau for every round: adding rounds changes nothing finished
             out["rollout_tau"] = self.rollout_tau[0]
         return out

@@ -1,7 +1,7 @@
 """On-policy rounds (``ray_jobs/onpolicy.py``): roll in with the student, roll out with the frozen backbone, train on a
 mix, sync the adapter; round by round, resumable in every phase.
 
-Round 0 is the off-policy pipeline: the teacher (the frozen backbone, ``teacher_policy``) decodes the first
+Round 0 is the off-policy pipeline: the teacher (the frozen backbone, ``decode.policy``) decodes the first
 ``prompts_per_round`` prompts on Ray actors (:func:`tdlm.generation.generate`), then ``launcher/train.py`` trains the
 adapter (the same command users run, under ``launcher``). Round r >= 1:
 
@@ -27,6 +27,7 @@ stops the local cluster it started), so rollouts and training take turns on the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -242,14 +243,16 @@ class Job:
         c = self.cfg
         common = dict(backbone=self.backbone, prompts=str(round_dir(self.out, r) / f"round-{r:02d}.jsonl"),
                       output_dir=str(self.records_of(r)), prompt_field=c.prompt_field, chat=c.chat,
-                      gen_length=c.gen_length, block_size=c.block_size, dtype=c.dtype, shard_size=c.shard_size,
-                      batch_size=c.batch_size, actors=c.actors, cpus_per_actor=c.cpus_per_actor, address=c.address,
+                      shard_size=c.shard_size, actors=c.actors, cpus_per_actor=c.cpus_per_actor, address=c.address,
                       log_interval=10.0)  # fmt: skip
-        if r == 0:
-            return GenerationConfig(**common, policy=c.teacher_policy)
-        return GenerationConfig(**common, policy="tdlm", threshold=c.tau(r), adapter=str(self.adapter_of(r - 1)),
-                                switch=c.switch, teacher_policy=c.teacher_policy, switch_seed=c.seed * 1000 + r,
-                                round=r, adapter_version=r - 1, gap_prompts=c.gap_prompts)  # fmt: skip
+        if r == 0:  # the teacher: the job's decode section as it is
+            return GenerationConfig(**common, decode=c.decode)
+        # the roll-in: the same section with the student's rule and the round's tau; the roll-out's teacher keeps
+        # the section's policy
+        student = dataclasses.replace(c.decode, policy="tdlm", threshold=c.tau(r))
+        return GenerationConfig(**common, decode=student, adapter=str(self.adapter_of(r - 1)), switch=c.switch,
+                                teacher_policy=c.decode.policy, switch_seed=c.seed * 1000 + r, round=r,
+                                adapter_version=r - 1, gap_prompts=c.gap_prompts)  # fmt: skip
 
     def phase_records(self, r: int) -> dict:
         if os.environ.get(KILL_ENV) == f"{r}:records":
@@ -448,9 +451,8 @@ def launcher_command_with_port(launcher: list[str]) -> list[str]:
 
 
 def load_job_config(path: str | None, overrides: dict) -> tuple[OnPolicyConfig, str]:
-    from tdlm.config import from_dict
+    from tdlm.config import from_dict, nest_flags
 
-    raw = load_yaml(path) if path else {}
-    raw.update(overrides)
+    raw = nest_flags(load_yaml(path) if path else {}, overrides)
     where = (f"{path} with the command line's flags" if overrides else path) if path else "arguments"
     return from_dict(OnPolicyConfig, raw, where), where

@@ -228,15 +228,16 @@ def failure_reason(log: Path, rc: int) -> str:
 def eval_config(cfg: SweepConfig, output_dir: Path, policies: list[str], adapters: list[str],
                 group: str | None = None):  # fmt: skip
     """The evaluation of ``adapters`` (or the baselines); ``group``: its W&B group (default the experiment)."""
+    from tdlm.decoding.config import DecodeSettings
     from tdlm.evaluation import EvalConfig
 
     e = cfg.eval
     backbone = base_run(cfg, "sweep").model.backbone
+    decode = DecodeSettings(gen_length=e.gen_length, block_size=e.block_size, dtype=e.dtype, batch_size=e.batch_size)
     return EvalConfig(
         backbone=backbone, output_dir=str(output_dir), tasks=list(e.tasks), policies=policies, adapters=adapters,
-        thresholds=list(e.thresholds), tdlm_thresholds=list(e.thresholds), gen_length=e.gen_length,
-        block_size=e.block_size, limit=e.limit, data_dir=e.data_dir, dtype=e.dtype, batch_size=e.batch_size,
-        workers=e.workers, threads=e.threads, group=group or cfg.experiment, project=cfg.project,
+        thresholds=list(e.thresholds), tdlm_thresholds=list(e.thresholds), decode=decode, limit=e.limit,
+        data_dir=e.data_dir, workers=e.workers, threads=e.threads, group=group or cfg.experiment, project=cfg.project,
         wandb_mode=cfg.wandb_mode,
     )  # fmt: skip
 
