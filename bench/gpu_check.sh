@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, prepared once and run whenever a GPU is lent (stages, order, budgets: bench/gpu_check.py's docstring).
 #
-#   bash bench/gpu_check.sh --fetch                  # here, on the CPU machine: DeepSpeed + its missing deps as
+#   bash bench/gpu_check.sh --fetch                  # here, on the CPU machine: DeepSpeed + its pinned deps as
 #                                                    #   x86_64 wheels in .whl/ (the lent H100/H200 is x86_64)
 #   bash bench/gpu_check.sh --fetch --arch aarch64   # the same for a GH200 (aarch64); --print: the commands only
 #   bash bench/gpu_check.sh                          # on the GPU machine (repository root): every stage, at most
@@ -44,19 +44,39 @@ if [[ "${1:-}" == "--fetch" ]]; then
     esac
     run() { if ((PRINT)); then printf '%q ' "$@"; echo; else "$@"; fi; }
     set -e
-    PYV=$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)  # DeepSpeed's setup.py imports torch
-    DS_VERSION=$("$PYV" -c "import importlib.metadata as m; print(m.version('deepspeed'))" 2>/dev/null || echo 0.19.8)
+    # the venv whose versions are pinned: $PYTHON if set, else the project venv, else python3 (DeepSpeed's setup.py
+    # imports torch, and the pins are read from what that interpreter has installed)
+    PYV=${PYTHON:-}
+    [[ -z $PYV && -x .venv/bin/python ]] && PYV=.venv/bin/python
+    PYV=${PYV:-python3}
+    IMAGE_TORCH=2.11.0  # the GPU image's torch (shared notes): the offline check resolves DeepSpeed against it
     if ((!PRINT)); then
         grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
         mkdir -p .whl
     fi
+    # DeepSpeed and its requirement closure, each pinned to the version this venv runs, torch's subtree left to the
+    # image (bench/gpu_check_wheels.py): typing-extensions, pydantic-core, annotated-types... all come along.
+    mapfile -t PINS < <("$PYV" bench/gpu_check_wheels.py pins deepspeed)
+    [[ ${PINS[0]:-} == deepspeed==* ]] || { echo "error: cannot read DeepSpeed's requirements from $PYV" >&2; exit 2; }
     # DeepSpeed is a source package: built here into one py3-none-any wheel that serves both architectures.
-    run "$PYV" -m pip wheel -q --no-deps --no-build-isolation -w .whl "deepspeed==$DS_VERSION"
-    # What the GPU image lacks (KINDS.md); pydantic-core is compiled, so its wheel is per architecture.
-    PLATFORM_ARGS=()
+    run "$PYV" -m pip wheel -q --no-deps --no-build-isolation -w .whl "${PINS[0]}"
+    # The rest as Python 3.12 wheels of the target's platform (pydantic-core, msgpack, psutil... are compiled).
+    PLATFORM_ARGS=(--only-binary=:all: --python-version 3.12 --implementation cp)
     for p in "${PLATFORMS[@]}"; do PLATFORM_ARGS+=(--platform "$p"); done
-    run python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${PLATFORM_ARGS[@]}" -d .whl hjson pydantic pydantic-core annotated-types typing-inspection
+    run "$PYV" -m pip download -q --no-deps "${PLATFORM_ARGS[@]}" -d .whl "${PINS[@]:1}"
+    ((PRINT)) || printf '%s\n' "${PINS[@]}" > .whl/requirements.txt
+    # Offline check: into an empty Python 3.12 that has only the image's torch (a metadata-only stub wheel), the
+    # pins install from .whl alone, every dependency included. A missing wheel fails here, not on the GPU machine.
+    STUB=$( ((PRINT)) && echo /tmp/gpu-check-stub || mktemp -d)
+    ((PRINT)) || "$PYV" bench/gpu_check_wheels.py stub-torch "$STUB" "$IMAGE_TORCH" >/dev/null
+    run "$PYV" -m pip install -q --dry-run --ignore-installed --no-index --find-links .whl --find-links "$STUB" \
+        "${PLATFORM_ARGS[@]}" --target "$STUB/site" --report "$STUB/report.json" "torch==$IMAGE_TORCH" "${PINS[@]}"
+    if ((!PRINT)); then
+        "$PYV" -c 'import json, sys; r = [i["metadata"] for i in json.load(open(sys.argv[1]))["install"]]
+print("offline check: pip install --dry-run --no-index resolves", len(r), "packages from .whl:",
+      " ".join(m["name"] + "==" + m["version"] for m in r))' "$STUB/report.json"
+        rm -rf "$STUB"
+    fi
     ((PRINT)) || ls -la .whl
     exit 0
 fi
@@ -64,8 +84,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DRY=0
 for a in "$@"; do [[ "$a" == "--dry-run" ]] && DRY=1; done
 if ((!DRY)) && compgen -G ".whl/*.whl" >/dev/null; then
-    # Wheels fetched for both architectures may share .whl/: take this machine's and the pure-Python ones.
+    # Wheels fetched for both architectures may share .whl/: take this machine's and the pure-Python ones. Of those,
+    # only what this image lacks or holds at a version DeepSpeed refuses (pip's own resolver, offline, against the
+    # installed packages); a pip that cannot say (too old for --dry-run / --report) installs them all.
     mapfile -t WHEELS < <(compgen -G ".whl/*.whl" | grep -E -- "(-any|_$(uname -m))\.whl$")
+    DS_REQ=$(head -n 1 .whl/requirements.txt 2>/dev/null || echo deepspeed)
+    if python3 -m pip install -q --dry-run --no-index --find-links .whl --break-system-packages \
+        --report /tmp/gpu-check-wheels.json "$DS_REQ" 2>/tmp/gpu-check-wheels.err; then
+        mapfile -t WHEELS < <(python3 -c 'import json, sys
+for i in json.load(open(sys.argv[1]))["install"]: print(i["download_info"]["url"].removeprefix("file://"))' \
+            /tmp/gpu-check-wheels.json)
+    fi
+    echo "[gpu_check.sh] carried wheels to install: ${#WHEELS[@]} (${WHEELS[*]##*/})"
     if ((${#WHEELS[@]})); then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/gpu-check-site "${WHEELS[@]}" && export PYTHONPATH="$PYTHONPATH:/tmp/gpu-check-site"

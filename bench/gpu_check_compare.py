@@ -64,6 +64,27 @@ def cuda_graph_proof(row: dict, policy: str) -> str | None:
     return "; ".join(why) or None
 
 
+def _diverge_rows(m: dict, policy: str, gpu_check: dict) -> list[dict]:
+    """The rows that diverge (``.../diverge``, bench/gpu_check_nfe.py): how many distinct evaluations its requests
+    finished at (predicted 2: the planted request a block per evaluation, the others a token per evaluation), and
+    its ms/NFE beside the reduce-overhead prediction interpolated between the batch-1 and batch-8 rows at the
+    static plan's bucket (its padding row is computed too)."""
+    from math import ceil, log2
+
+    bucket = 2 ** ceil(log2(m["batch"]))
+    nfe = m.get(f"{policy}_nfe") or []
+    lo, hi = (gpu_check.get((m["model"], b, m["cache"]), {}).get(f"{policy}_ms_per_nfe", {}).get(m["mode"])
+              for b in (1, 8))  # fmt: skip
+    want = lo + (hi - lo) * (bucket - 1) / 7 if lo and hi else None
+    mark = {"not_cuda_graphs": cuda_graph_proof(m, policy)} if m["mode"] == "reduce-overhead" else {}
+    return [{"what": f"rows finish apart {m['model']} b{m['batch']} (bucket {bucket}) {m['cache']} {policy}",
+             "unit": "", "measured": len(set(nfe)) if nfe else None, "predicted": 2, "nfe": nfe,
+             "source": "a peaked head row planted for request 0 (bench/gpu_check_nfe.py plant_divergence)"},
+            {"what": f"ms/NFE {m['model']} b{m['batch']} {m['cache']} {m['mode']} diverge {policy}", "unit": "ms",
+             "measured": m.get(f"{policy}_ms_per_nfe_full_depth", m.get(f"{policy}_ms_per_nfe")), "predicted": want,
+             "source": f"true_shape.json gpu_check {m['mode']}, b1..b8 interpolated at {bucket} rows", **mark}]
+
+
 def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) -> dict:
     """Each measured number (this run's stage JSONs in ``out``) beside its prediction for this GPU; printed,
     written to ``<out>/predicted_vs_measured.json`` and returned."""
@@ -97,8 +118,9 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                      "source": "plan(zero=3, world_size=1), ds_configs/zero3.json knobs"})  # fmt: skip
     block = docs["nfe"].get("block_size", 32)
     # the setting each mode of RATIOS is held against: same model, batch and cache, the paired mode
-    by_mode = {(m["mode"], m["model"], m["batch"], m["cache"]): m for m in docs["nfe"].get("rows", [])
-               if m.get("purpose") == "speed" and "mode" in m}  # fmt: skip
+    # (a ratio is taken within one depth and one compile scope only: gpu_check.compile_scope)
+    by_mode = {(m["mode"], m["model"], m["batch"], m["cache"], m.get("layers"), m.get("scope")): m
+               for m in docs["nfe"].get("rows", []) if m.get("purpose") == "speed" and "mode" in m}  # fmt: skip
     pair_of = dict(RATIOS)
     for m in docs["nfe"].get("rows", []):
         if "mode" not in m:
@@ -121,18 +143,25 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                                  "unit": "ms", "measured": m.get(f"{policy}_ms_per_nfe"), "predicted": per["eager"],
                                  "source": "true_shape.json nfe per_nfe_ms (eager bound)"})  # fmt: skip
                 continue
+            if m["purpose"] == "diverge":
+                rows += _diverge_rows(m, policy, sel["gpu_check"])
+                continue
             pm = p[f"{policy}_ms_per_nfe"] if p else {}
             compiled = m["mode"] in ("compiled", "compiled-static")  # compile=True, either storage plan
             # a reduce-overhead number is a CUDA-graph number only when proven (no skip, graphs replayed)
             mark = ({"not_cuda_graphs": cuda_graph_proof(m, policy)} if m["mode"] == "reduce-overhead" else {})
-            rows.append({"what": f"ms/NFE {model} b{m['batch']} {m['cache']} {m['mode']} {policy}", "unit": "ms",
-                         "measured": m.get(f"{policy}_ms_per_nfe"), "predicted": pm.get(m["mode"]),
+            # the depth option: measured at m["layers"] layers, extrapolated per layer to the full depth
+            depth = (f" (at {m['layers']} of {m['full_layers']} layers, x{m['full_layers'] / m['layers']:g})"
+                     if m.get("layers") else "")  # fmt: skip
+            rows.append({"what": f"ms/NFE {model} b{m['batch']} {m['cache']} {m['mode']} {policy}{depth}",
+                         "unit": "ms", "predicted": pm.get(m["mode"]), "scope": m.get("scope"),
+                         "measured": m.get(f"{policy}_ms_per_nfe_full_depth", m.get(f"{policy}_ms_per_nfe")),
                          # compiled: the launches added (above) or issued asynchronously (here), and none
                          "predicted_overlapped": pm.get("compiled_overlapped") if compiled else None,
                          "predicted_cuda_graphs": pm.get("cuda_graphs") if compiled else None, **mark})  # fmt: skip
             if m["mode"] in pair_of:  # one factor apart (RATIOS): CUDA graphs alone, or the storage plan alone
                 over = pair_of[m["mode"]]
-                base_row = by_mode.get((over, *key), {})
+                base_row = by_mode.get((over, *key, m.get("layers"), m.get("scope")), {})
                 base, mine = base_row.get(f"{policy}_ms_per_nfe"), m.get(f"{policy}_ms_per_nfe")
                 mine_p, base_p = pm.get(m["mode"]), pm.get(over)
                 ro = m["mode"] == "reduce-overhead"
@@ -141,6 +170,8 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                              "measured": mine / base if mine and base else None,
                              "predicted": mine_p / base_p if mine_p and base_p else None,
                              "predicted_overlapped": ovl, "pairs": [m["item"], base_row.get("item")],
+                             **({} if base_row else {"unpaired": f"no {over} setting at {m.get('layers') or 'full'} "
+                                                      f"layers, {m.get('scope')} scope"}),
                              "source": "true_shape.json reduce_overhead (roofline / + launches)" if ro else
                              "true_shape.json gpu_check (the static plan modelled by the dynamic trace)",
                              **mark})  # fmt: skip
@@ -175,7 +206,8 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
             ("holds_up_to_overlapped", "target holds to")) if r.get(k) is not None)  # fmt: skip
         print(f"  {r['what']:52s} measured {fmt(r['measured'])} {r['unit']:3s} predicted {fmt(r['predicted'])}"
               + ("" if r["ratio"] is None else f"  ratio {r['ratio']:.2f}") + more
-              + (f"  NOT a CUDA-graph number ({r['not_cuda_graphs']})" if r.get("not_cuda_graphs") else ""),
+              + (f"  NOT a CUDA-graph number ({r['not_cuda_graphs']})" if r.get("not_cuda_graphs") else "")
+              + (f"  not paired: {r['unpaired']}" if r.get("unpaired") else ""),
               flush=True)  # fmt: skip
     for s, c in checks.items():
         cut = ", ".join(f"{k} ({v})" for k, v in c["items"].items() if v != "ok")

@@ -13,6 +13,10 @@
 #     build in VARIANTS below whose minimum driver the one nvidia-smi reports meets; none: it stops, naming the
 #     driver and TORCH_INDEX_URL. (The +cuXYZ local version makes pip replace a 2.13.0+cpu already in the venv,
 #     which plain torch==2.13.0 would leave in place.)
+#   * that CUDA index cannot be reached (a machine that reaches only PyPI) and the driver is >= 580: PyPI's plain
+#     torch==2.13.0 from PYPI_INDEX_URL (default https://pypi.org/simple), which since torch 2.11 is the CUDA 13.0
+#     build on Linux and runs on the same driver; below 580 it stops in one line (PyPI has no CUDA 12 build).
+#     Reached means: "$PYTHON" fetches $CUDA_INDEX_BASE/cuXYZ/torch/ within PROBE_TIMEOUT_S seconds (default 20).
 #
 # It prints one line saying what it chose and why. After installing on a node with a working nvidia-smi it checks
 # torch.cuda.is_available() and fails with one line if it is False (skipped when TORCH_INDEX_URL ends in /cpu:
@@ -32,7 +36,9 @@ set -euo pipefail
 VARIANTS="cu130:580 cu126:525.60.13"
 ARCHES="x86_64 aarch64"
 PIN=torch==2.13.0
-INDEX_BASE=https://download.pytorch.org/whl
+INDEX_BASE=${CUDA_INDEX_BASE:-https://download.pytorch.org/whl}  # the tests point it at a fake index
+PYPI_FLOOR=580  # PyPI's plain Linux torch (2.11 on) is the CUDA 13.0 build: CUDA 13's driver floor
+PYPI=${PYPI_INDEX_URL:-https://pypi.org/simple}
 
 say() { echo "torch_install: $*"; }
 die() { echo "torch_install: $*" >&2; exit 2; }
@@ -49,6 +55,15 @@ version_ge() {
         ((x < y)) && return 1
     done
     return 0
+}
+
+# reachable URL: the index answers within PROBE_TIMEOUT_S (the venv's python, else python3, fetches it)
+reachable() {
+    local probe=$py
+    [[ -x $probe ]] || probe=python3
+    "$probe" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])).read(1)' "$1" "${PROBE_TIMEOUT_S:-20}" \
+        >/dev/null 2>&1
 }
 
 print_only=0
@@ -94,6 +109,12 @@ else
     oldest=${VARIANTS##* }
     [[ -n $index ]] ||
         die "NVIDIA driver $driver is too old for every CUDA build of torch 2.13 (the oldest, ${oldest%%:*}, needs >= ${oldest#*:}); upgrade the driver or choose an index with TORCH_INDEX_URL=$INDEX_BASE/cuXYZ"
+    if ! reachable "$index/torch/"; then
+        version_ge "$driver" "$PYPI_FLOOR" ||
+            die "$index cannot be reached and PyPI's torch (the CUDA 13.0 build) needs driver >= $PYPI_FLOOR, not $driver; choose a reachable index with TORCH_INDEX_URL=$INDEX_BASE/cuXYZ"
+        index=$PYPI spec=${TORCH_SPEC:-$PIN}
+        why="$arch, driver $driver >= $PYPI_FLOOR; $INDEX_BASE/${tag} cannot be reached: PyPI's plain $PIN (the CUDA 13.0 build)"
+    fi
 fi
 
 cmd=("$py" -m pip install -q "$spec")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -19,7 +20,9 @@ sys.path.insert(0, str(REPO / "bench"))
 import gpu_check  # noqa: E402  (stdlib imports only: the parent side never imports torch)
 import gpu_check_common  # noqa: E402  (the leaf the parent, the child and the comparison share)
 import gpu_check_compare  # noqa: E402  (the measured-beside-predicted table)
+import gpu_check_nfe  # noqa: E402  (the decode stage; it imports torch only inside its functions)
 import gpu_check_stages  # noqa: E402  (the child's module; it imports torch only inside its stages)
+import gpu_check_wheels  # noqa: E402  (what --fetch pins and carries)
 
 
 def run_check(tmp_path, *args: str, hooks: str = "", timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
@@ -51,12 +54,16 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     nfe = stages["gpu_nfe_dryrun.json"]
     order = [s["name"] for s in gpu_check.nfe_settings(dry_run=True)]
     assert [r["item"] for r in nfe["rows"]] == order  # run in the planned order, each one recorded
-    assert order[0] == "llada-8b/b1/none/compiled"  # most telling first: TDLM's compiled overhead at batch 1
+    # the planned order: the CUDA-graph pair first (the depth option: 2 of the toy's 8 layers), then compile=True
+    assert order[:3] == ["llada-8b/b1/none/reduce-overhead/2L", "llada-8b/b1/none/compiled-static/2L",
+                         "llada-8b/b1/none/compiled"], order  # fmt: skip
     settings = {(r["model"], r["batch"], r["cache"], r["mode"]) for r in nfe["rows"]}
     assert {(m, b, c, "eager") for m in ("llada-8b", "dream-7b") for b in (1, 8) for c in ("none", "dual")} <= settings
     for r in nfe["rows"]:
         assert r["tdlm_over_backbone"] > 0 and r["threshold_nfe"] == r["tdlm_nfe"], r
         assert len(r["tdlm_nfe"]) == r["batch"]
+        if r.get("mode") in ("compiled", "compiled-static", "reduce-overhead"):  # one scope per mode
+            assert r["compile_scope"] == r["scope"] == gpu_check.compile_scope(r["mode"]), r
         if r["mode"] == "compiled":  # the launch profile (on a CPU: operators inside the compiled region)
             for policy in ("threshold", "tdlm"):
                 prof = r[f"{policy}_launches"]
@@ -76,26 +83,42 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path):
     assert len(row["losses"]) == 3 and all(math.isfinite(x) for x in row["losses"]), row
     assert "before the measured steps" in row["peak_reset"]["when"] and row["peak_delta"] > 0, row
     assert row["planner"]["zero"] == 3 and row["planner"]["world_size"] == 1 and row["planner"]["total"] > 0
+    div = next(r for r in nfe["rows"] if r["purpose"] == "diverge")  # 3 requests in bucket 4, dual, reduce-overhead
+    assert div["item"] == "llada-8b/b3/dual/reduce-overhead/2L/diverge" and div["status"] == "ok", div
+    assert (div["batch"], div["cache"], div["compile"], div["storage"]) == (3, "dual", "eager", "static"), div
+    for policy in ("threshold", "tdlm"):  # the planted request finishes first, the others later: rows finish apart
+        got = div[f"{policy}_nfe"]
+        assert len(got) == 3 and got[0] < min(got[1:]) and len(set(got)) >= 2, (policy, got)
+        assert div[f"{policy}_cudagraph_skips"] == 0 and div[f"{policy}_launches"]["graph_launches"] == 0, div
     pvm = json.loads((tmp_path / "predicted_vs_measured_dryrun.json").read_text())
     what = {r["what"]: r for r in pvm["rows"]}
+    for policy in ("threshold", "tdlm"):
+        apart = what[f"rows finish apart llada-8b b3 (bucket 4) dual {policy}"]
+        assert apart["measured"] >= 2 and apart["predicted"] == 2 and apart["nfe"] == div[f"{policy}_nfe"], apart
+        ms = what[f"ms/NFE llada-8b b3 dual reduce-overhead diverge {policy}"]
+        assert ms["measured"] > 0 and ms["predicted"] > 0 and "no cudaGraphLaunch" in ms["not_cuda_graphs"], ms
     assert what["DeepSpeed peak, dispersed:4, ZeRO-3 one rank"]["predicted"] == row["planner"]["total"] / 2**30
     mem_rows = [r for w, r in what.items() if w.startswith("decode peak")]
     rows = {r["item"]: r for r in nfe["rows"]}
     for cache in ("none", "dual"):  # the reduce-overhead rows beside their predictions (true_shape.json)
         for policy in ("threshold", "tdlm"):
-            ro = what[f"ms/NFE llada-8b b1 {cache} reduce-overhead {policy}"]
+            ro = what[f"ms/NFE llada-8b b1 {cache} reduce-overhead {policy} (at 2 of 8 layers, x4)"]
+            measured = rows[f"llada-8b/b1/{cache}/reduce-overhead/2L"][f"{policy}_ms_per_nfe"]
+            assert ro["measured"] == pytest.approx(measured * 4) and ro["scope"] == "model", ro  # per layer
             assert ro["measured"] > 0 and ro["predicted"] > 0, ro
             assert "no cudaGraphLaunch" in ro["not_cuda_graphs"], ro  # a CPU's number is no CUDA-graph number
-    ratio = what["reduce-overhead/compiled-static llada-8b b1 none tdlm"]  # over compile=True on the same plan
-    assert ratio["pairs"] == ["llada-8b/b1/none/reduce-overhead", "llada-8b/b1/none/compiled-static"], ratio
-    ro_row, c_row = rows["llada-8b/b1/none/reduce-overhead"], rows["llada-8b/b1/none/compiled-static"]
+    ratio = what["reduce-overhead/compiled-static llada-8b b1 none tdlm"]  # same plan, scope and depth
+    assert ratio["pairs"] == ["llada-8b/b1/none/reduce-overhead/2L", "llada-8b/b1/none/compiled-static/2L"], ratio
+    ro_row, c_row = rows["llada-8b/b1/none/reduce-overhead/2L"], rows["llada-8b/b1/none/compiled-static/2L"]
     assert (c_row["compile"], c_row["storage"]) == ("eager", "static")
     assert 0 < ratio["predicted"] < 1
     assert ratio["measured"] == pytest.approx(ro_row["tdlm_ms_per_nfe"] / c_row["tdlm_ms_per_nfe"])
     assert ro_row["tdlm_reduce_overhead_over_compiled_static"] == pytest.approx(ratio["measured"])
-    static = what["compiled-static/compiled llada-8b b1 none tdlm"]  # the storage plan's own ratio
-    assert static["pairs"] == ["llada-8b/b1/none/compiled-static", "llada-8b/b1/none/compiled"], static
-    assert static["measured"] == pytest.approx(c_row["tdlm_compiled_static_over_compiled"]) and static["predicted"] == 1
+    static = what["compiled-static/compiled llada-8b b1 none tdlm"]  # the storage plan's own ratio: one scope only
+    assert static["pairs"] == ["llada-8b/b1/none/compiled-static/2L", None] and static["measured"] is None, static
+    assert "model scope" in static["unpaired"] and "tdlm_compiled_static_over_compiled" not in c_row
+    compiled = rows["llada-8b/b1/none/compiled"]  # block scope, compared with eager across scopes (eager has none)
+    assert compiled["tdlm_compiled_over_eager"] > 0 and compiled["compile_scope"] == "block"
     assert len(mem_rows) == 2 and all(r["measured"] and r["predicted"] for r in mem_rows), mem_rows
     assert pvm["stages"]["train"]["loss_finite"] is True and pvm["stages"]["deepspeed"]["loss_finite"] is True
 
@@ -163,31 +186,34 @@ def test_stage_deadlines_keep_inside_the_overall_deadline():
         assert sum(gpu_check.STAGE_CAP_S[mode].values()) + gpu_check.RESERVE_S < total / 2  # nfe keeps the most
     quick_nfe = gpu_check.nfe_settings(quick=True)
     assert all(s["mode"] == "compiled" or s["purpose"] == "memory" for s in quick_nfe)  # no eager, no CUDA graphs
-    assert gpu_check.nfe_settings()[: len(quick_nfe)] == quick_nfe
+    full = gpu_check.nfe_settings()
+    assert [s for s in full if s in quick_nfe] == quick_nfe  # the quick run's settings, in the same order
 
 
 def test_reduce_overhead_settings_are_timed_against_compile_true_and_each_has_its_prediction():
-    """compile="reduce-overhead" (storage="static") at batch 1 and 8, uncached and dual, each right after its
-    compiled-static setting (compile=True, storage="static") and after its compiled one (compile=True, dynamic),
-    batch 1 dual the first of them (right after --quick's settings); every one paired with a predicted row of
+    """compile="reduce-overhead" (storage="static", model scope) at batch 1 and 8, uncached and dual, at the depth
+    option (4 layers, true width), each paired with its compiled-static setting (compile=True, storage="static",
+    the same scope and depth); batch 1 uncached first of all; every one paired with a predicted row of
     true_shape.json (written before any GPU run) for both policies."""
     full = [s["name"] for s in gpu_check.nfe_settings()]
-    n_quick = len(gpu_check.nfe_settings(quick=True))
-    ro = [n for n in full if n.endswith("/reduce-overhead")]
-    assert sorted(ro) == sorted(f"llada-8b/b{b}/{c}/reduce-overhead" for b in (1, 8) for c in ("none", "dual"))
-    assert full[n_quick : n_quick + 2] == ["llada-8b/b1/dual/compiled-static", "llada-8b/b1/dual/reduce-overhead"]
+    ro = [n for n in full if "/reduce-overhead/" in n and not n.endswith("/diverge")]
+    assert sorted(ro) == sorted(f"llada-8b/b{b}/{c}/reduce-overhead/4L" for b in (1, 8) for c in ("none", "dual"))
+    assert full[:2] == ["llada-8b/b1/none/reduce-overhead/4L", "llada-8b/b1/none/compiled-static/4L"]
     for name in ro:
-        assert full.index(name.replace("reduce-overhead", "compiled-static")) == full.index(name) - 1, name
-        assert full.index(name.replace("reduce-overhead", "compiled")) < full.index(name), name
+        assert name.replace("reduce-overhead", "compiled-static") in full, name
         assert full.index(name) < full.index("llada-8b/b1/none/eager")  # before any eager timing
-    assert gpu_check.compile_kw("reduce-overhead", False) == {"compile": "reduce-overhead", "storage": "static"}
-    assert gpu_check.compile_kw("reduce-overhead", True) == {"compile": "eager", "storage": "static"}
-    assert gpu_check.compile_kw("compiled-static", False) == {"compile": True, "storage": "static"}
-    assert gpu_check.compile_kw("compiled-static", True) == {"compile": "eager", "storage": "static"}
-    assert gpu_check.compile_kw("compiled", False) == {"compile": True}
+    assert gpu_check.compile_kw("reduce-overhead", False) == {"compile": "reduce-overhead", "storage": "static",
+                                                              "compile_scope": "model"}  # fmt: skip
+    assert gpu_check.compile_kw("reduce-overhead", True) == {"compile": "eager", "storage": "static",
+                                                             "compile_scope": "model"}  # fmt: skip
+    assert gpu_check.compile_kw("compiled-static", False) == {"compile": True, "storage": "static",
+                                                              "compile_scope": "model"}  # fmt: skip
+    assert gpu_check.compile_kw("compiled", False) == {"compile": True, "compile_scope": "block"}
+    assert gpu_check.compile_kw("compiled", True) == {"compile": "eager", "compile_scope": "block"}
     assert gpu_check.compile_kw("eager", True) == {"compile": False}
     dry = [s["name"] for s in gpu_check.nfe_settings(dry_run=True)]
-    assert {"llada-8b/b1/none/reduce-overhead", "llada-8b/b1/dual/reduce-overhead"} <= set(dry)
+    assert {"llada-8b/b1/none/reduce-overhead/2L", "llada-8b/b1/dual/reduce-overhead/2L"} <= set(dry)
+    ro = [n.removesuffix("/4L") for n in ro]  # true_shape.json names the settings at full depth
     real = json.loads(gpu_check_common.PREDICTION.read_text())
     sel = gpu_check_common.select_predictions(real, "h200")["gpu_check"]
     predicted = {(r["setting"], r["policy"]): r for r in real["reduce_overhead"]["rows"] if r["gpu"] == "h200"}
@@ -201,6 +227,62 @@ def test_reduce_overhead_settings_are_timed_against_compile_true_and_each_has_it
             assert r["static_versus"] == name.replace("reduce-overhead", "compiled")
             assert r["reduce_overhead_ms_per_nfe"] == pm["reduce-overhead"] and 0 < r["ratio_added"] < 1
             assert r["compile_true_ms_per_nfe"] == pm["compiled-static"] and r["static_over_dynamic"] == 1.0
+
+
+def test_the_planned_order_reaches_reduce_overhead_and_its_pair_within_the_default_budget():
+    """By the check's own prediction (cold compiles per setting, nfe_plan): the nfe stage starts after the start-up
+    and the training stages at their caps, and the first reduce-overhead setting and the compiled-static setting it
+    is timed against both end before the default 420 s (less the reserve). compile=True settings compile by block
+    (the faster scope); reduce-overhead and its pair at the model scope, which block refuses for CUDA graphs."""
+    plan = gpu_check.nfe_plan()
+    assert [p["name"] for p in plan] == [s["name"] for s in gpu_check.nfe_settings()]
+    budget = gpu_check.DEADLINE_S["full"] - gpu_check.RESERVE_S
+    first_ro = next(p for p in plan if "/reduce-overhead/" in p["name"])
+    pair = next(p for p in plan if p["name"] == first_ro["name"].replace("reduce-overhead", "compiled-static"))
+    assert first_ro["predicted_end_s"] <= budget and pair["predicted_end_s"] <= budget, (first_ro, pair)
+    assert first_ro["within_budget"] and pair["within_budget"]
+    ends = [p["predicted_end_s"] for p in plan]
+    nfe_start = gpu_check.STARTUP_S + sum(gpu_check.STAGE_CAP_S["full"].values())
+    assert ends == sorted(ends) and ends[0] > nfe_start
+    scopes = {"compiled": "block", "compiled-static": "model", "reduce-overhead": "model"}
+    for s in gpu_check.nfe_settings():
+        assert s["scope"] == scopes.get(s["mode"]), s
+        if s["scope"] == "model":  # the model scope's compile grows with depth: the depth option keeps it short
+            assert s["layers"] == gpu_check.RO_LAYERS["full"], s
+    # the prediction itself: a 32-layer model-scope graph costs what compile_scope.json measured (120 s); block
+    # scope graphs do not grow with depth
+    full_ro = dict(gpu_check.nfe_settings()[0], layers=None, name="x")
+    assert gpu_check.predicted_seconds(full_ro)["compile"] == pytest.approx(2 * (46.0 + 2.3 * 32))
+    assert 2 * gpu_check.predicted_seconds(full_ro)["compile"] > budget - nfe_start  # why the depth option
+    block = next(s for s in gpu_check.nfe_settings() if s["mode"] == "compiled")
+    shallow = dict(block, layers=4)
+    assert gpu_check.predicted_seconds(block)["compile"] == gpu_check.predicted_seconds(shallow)["compile"]
+
+
+def test_a_ratio_is_taken_within_one_compile_scope_and_depth(tmp_path):
+    """The default run's rows: compile=True by block at full depth, compiled-static and reduce-overhead at the model
+    scope and 4 layers. reduce-overhead / compiled-static pairs (same scope and depth; ms/NFE extrapolated x8 for the
+    printed row, the ratio as measured); compiled-static / compiled does not (another scope and depth): no number,
+    a reason."""
+    def row(mode: str, ms: float, layers: int | None) -> dict:
+        name = f"llada-8b/b1/none/{mode}" + (f"/{layers}L" if layers else "")
+        return {"item": name, "model": "llada-8b", "batch": 1, "cache": "none", "mode": mode, "purpose": "speed",
+                "scope": gpu_check.compile_scope(mode), "threshold_ms_per_nfe": ms, "tdlm_ms_per_nfe": ms,
+                **({"layers": layers, "full_layers": 32, "threshold_ms_per_nfe_full_depth": ms * 32 / layers,
+                    "tdlm_ms_per_nfe_full_depth": ms * 32 / layers} if layers else {})}  # fmt: skip
+
+    rows = [row("reduce-overhead", 1.0, 4), row("compiled-static", 1.5, 4), row("compiled", 9.0, None)]
+    gpu_check_common.write_json(tmp_path / "gpu_nfe_dryrun.json", {"stage": "nfe", "status": "ok", "rows": rows})
+    out = {r["what"]: r for r in gpu_check_compare.beside_predicted(tmp_path, True)["rows"]}
+    ro = out["reduce-overhead/compiled-static llada-8b b1 none tdlm"]
+    assert ro["measured"] == pytest.approx(1.0 / 1.5) and ro["pairs"][1] == "llada-8b/b1/none/compiled-static/4L"
+    static = out["compiled-static/compiled llada-8b b1 none tdlm"]
+    assert static["measured"] is None and static["pairs"][1] is None and "model scope" in static["unpaired"], static
+    assert out["ms/NFE llada-8b b1 none reduce-overhead tdlm (at 4 of 32 layers, x8)"]["measured"] == 8.0
+    doc = {"rows": [dict(r) for r in rows]}
+    gpu_check_stages.nfe_summary(doc)  # the child's own ratios follow the same rule
+    assert "tdlm_reduce_overhead_over_compiled_static" in doc["rows"][0]
+    assert "tdlm_compiled_static_over_compiled" not in doc["rows"][1]
 
 
 def test_a_reduce_overhead_row_is_compared_with_its_prediction_and_its_compile_true_setting(tmp_path):
@@ -383,7 +465,7 @@ def test_a_decode_setting_records_inductors_cudagraph_skips_and_its_graph_launch
 
     monkeypatch.setattr(tdlm, "decode", decode)
     monkeypatch.setitem(counters["inductor"], "cudagraph_skips", counters["inductor"]["cudagraph_skips"])
-    row = gpu_check_stages.nfe_item(ctx, "llada-8b/b1/none/reduce-overhead", lambda r: None)
+    row = gpu_check_stages.nfe_item(ctx, "llada-8b/b1/none/reduce-overhead/2L", lambda r: None)
     assert len(calls) == 6 and all(kw["storage"] == "static" for kw in calls)  # 2 policies x (warm-up, timed, profile)
     for policy in ("threshold", "tdlm"):
         assert row[f"{policy}_cudagraph_skips"] == 3, row
@@ -391,7 +473,7 @@ def test_a_decode_setting_records_inductors_cudagraph_skips_and_its_graph_launch
         why = gpu_check_compare.cuda_graph_proof(row, policy)
         assert "skipped CUDA graphs 3 times" in why and "no cudaGraphLaunch" in why, why
     monkeypatch.setattr(tdlm, "decode", lambda target, req, **kw: [SimpleNamespace(nfe=4) for _ in req])
-    row = gpu_check_stages.nfe_item(ctx, "llada-8b/b1/none/compiled-static", lambda r: None)
+    row = gpu_check_stages.nfe_item(ctx, "llada-8b/b1/none/compiled-static/2L", lambda r: None)
     assert row["tdlm_cudagraph_skips"] == 0 and "tdlm_launches" not in row  # recorded for every mode
 
 
@@ -429,10 +511,38 @@ def test_a_reduce_overhead_number_is_a_cuda_graph_number_only_when_proven(tmp_pa
     assert "not recorded" in gpu_check_compare.cuda_graph_proof(unrecorded, "tdlm")
 
 
+def test_the_planted_head_row_makes_the_rows_finish_apart_and_is_put_back(monkeypatch):
+    """The divergent-rows setting's plant on the toy backbone, decoded eagerly as the setting does (3 requests: the
+    static plan's bucket 4, dual cache): request 0 finishes evaluations before the others, which finish together
+    (one token per evaluation); without the plant every row finishes at the same evaluation; the head row is the
+    same tensor, with the same values, afterwards."""
+    import torch
+
+    import tdlm
+
+    monkeypatch.delenv(gpu_check.HOOKS_ENV, raising=False)
+    ctx = gpu_check_stages.build_context("nfe", True)
+    bb = ctx.backbone
+    gen = torch.Generator().manual_seed(3008)
+    rows = torch.randint(3, 500, (3, 8), generator=gen).tolist()
+    req = [r[: 8 - (i * 8) // 6] for i, r in enumerate(rows)]  # left-padded, as nfe_item builds them
+    kw = dict(policy="threshold", cache="dual", gen_length=16, block_size=8, threshold=0.9, storage="static")
+    head = bb.model.transformer.ff_out.weight
+    before, ptr = head.detach().clone(), head.data_ptr()
+    plain = [r.nfe for r in tdlm.decode(bb, req, **kw)]
+    assert len(set(plain)) == 1, plain  # random weights: lockstep
+    with gpu_check_nfe.plant_divergence(bb, req, 16, ctx.device) as plant:
+        planted = [r.nfe for r in tdlm.decode(bb, req, **kw)]
+    assert planted[0] < min(planted[1:]) and planted[1:] == plain[1:], planted
+    assert plant["peaked_request"] == 0 and abs(max(plant["other_requests_logit_at_mean"], key=abs)) < 1e-6, plant
+    assert head.data_ptr() == ptr and torch.equal(head.detach(), before)  # put back in place: no graph re-recorded
+
+
 def test_fetch_names_the_wheels_of_the_asked_architecture():
     def fetch(*args: str) -> str:
         proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--fetch", *args, "--print"], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+                              env=os.environ | {"PYTHON": sys.executable}, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
@@ -443,6 +553,63 @@ def test_fetch_names_the_wheels_of_the_asked_architecture():
     bad = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--fetch", "--arch", "ppc64le", "--print"],
                          cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "x86_64 or aarch64" in bad.stderr
+
+
+def _fetch_commands() -> list[list[str]]:
+    """The commands ``--fetch --print`` prints, for this interpreter's venv (``$PYTHON``)."""
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--fetch", "--print"], cwd=REPO,
+                          env=os.environ | {"PYTHON": sys.executable}, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return [shlex.split(line) for line in proc.stdout.splitlines()]
+
+
+def test_fetch_pins_what_the_venv_runs_with_every_dependency_and_checks_it_offline():
+    """--fetch carries DeepSpeed and its whole requirement closure (typing-extensions, pydantic-core, ...), each
+    pinned to the version this venv runs, torch's subtree left to the image; it ends with an offline ``pip install
+    --dry-run --no-index`` for Python 3.12 with the image's torch 2.11 standing in as a stub."""
+    import importlib.metadata as md
+
+    pins = gpu_check_wheels.pins()
+    names = {p.split("==")[0] for p in pins}
+    assert pins[0] == f"deepspeed=={md.version('deepspeed')}"
+    assert {"pydantic", "pydantic-core", "typing-extensions", "annotated-types", "typing-inspection", "hjson"} <= names
+    assert not names & {"torch", "sympy", "networkx", "filelock", "jinja2", "triton"}  # the image's torch serves them
+    for pin in pins:  # pinned to this venv's versions, every one
+        name, _, version = pin.partition("==")
+        assert version == md.version(name), pin
+    build, download, check = _fetch_commands()
+    assert build[-1] == pins[0] and "--no-deps" in build  # DeepSpeed's wheel, built here
+    assert download[download.index("-d") + 2 :] == pins[1:] and "--no-deps" in download
+    assert download[download.index("--python-version") + 1] == "3.12" and "--only-binary=:all:" in download
+    for flag in ("--dry-run", "--no-index", "--ignore-installed", "--only-binary=:all:"):
+        assert flag in check, (flag, check)
+    assert check[check.index("--python-version") + 1] == "3.12" and check[-len(pins) :] == pins
+    assert "torch==2.11.0" in check  # the image's torch, a stub wheel in the check
+
+
+def test_the_offline_check_fails_when_a_dependency_was_not_fetched(tmp_path):
+    """The --fetch check's own command line, run against an offline folder of metadata-only wheels that carry the
+    venv's real requirement metadata: it resolves with every pinned wheel there and fails, naming it, when one
+    (typing-extensions: pydantic needs it, the old --fetch left it out) is missing. No network."""
+    import importlib.metadata as md
+
+    whl, stub = tmp_path / ".whl", tmp_path / "stub"
+    for pin in gpu_check_wheels.pins():
+        name, _, version = pin.partition("==")
+        requires = [r for r in md.requires(name) or [] if "extra ==" not in r]
+        gpu_check_wheels.stub_wheel(whl, name, version, requires)
+    gpu_check_wheels.stub_wheel(stub, "torch", "2.11.0")
+    *_, check = _fetch_commands()
+    check = [str(whl) if a == ".whl" else a.replace("/tmp/gpu-check-stub", str(stub)) for a in check]
+    check[0] = sys.executable
+    ok = subprocess.run(check, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    report = json.loads((stub / "report.json").read_text())
+    assert {i["metadata"]["name"].lower().replace("_", "-") for i in report["install"]} >= {"typing-extensions"}
+    next(whl.glob("typing_extensions-*.whl")).unlink()
+    bad = subprocess.run(check, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "typing-extensions" in bad.stderr.lower().replace("_", "-"), bad.stderr[-2000:]
 
 
 # -- fast: the deadline's origin and a restarted child's rows, with a fake clock, a fake run_stage, a fake child ----

@@ -22,7 +22,39 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "torch_install.sh"
 BASH = shutil.which("bash")
-CUDA_INDEX = "https://download.pytorch.org/whl/cu"
+
+
+@pytest.fixture(scope="module")
+def fake_index(tmp_path_factory):
+    """A CUDA index that answers: an HTTP server on a loopback port serving whl/cu130/torch/ and whl/cu126/torch/
+    (CUDA_INDEX_BASE points the script at it; the real base is download.pytorch.org, which this machine cannot
+    reach). Yields its base URL."""
+    import functools
+    import http.server
+    import threading
+
+    root = tmp_path_factory.mktemp("index")
+    for tag in ("cu130", "cu126"):
+        (root / "whl" / tag / "torch").mkdir(parents=True)
+        (root / "whl" / tag / "torch" / "index.html").write_text(f"<a>torch-2.13.0+{tag}</a>\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/whl"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _index_env(fake_index, monkeypatch):
+    """Every test's CUDA index is the fake one unless it names another (``CUDA_INDEX`` follows)."""
+    monkeypatch.setattr(sys.modules[__name__], "CUDA_INDEX", f"{fake_index}/cu")
+    yield
+
+
+CUDA_INDEX = ""  # set per test by _index_env: the fake index's base + "/cu"
+UNREACHABLE = "http://127.0.0.1:9/whl"  # the discard port: nothing listens, the connection is refused at once
 
 
 def _exe(path: Path, body: str) -> None:
@@ -31,11 +63,13 @@ def _exe(path: Path, body: str) -> None:
 
 
 def _bin(tmp_path: Path, arch: str, smi: str | None) -> Path:
-    """A PATH directory: fake uname (and nvidia-smi when ``smi`` is its body), real head and tr."""
+    """A PATH directory: fake uname (and nvidia-smi when ``smi`` is its body), real head and tr, and python3 (the
+    index probe's interpreter when the venv python given is not a file)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
+    bin_dir.mkdir(parents=True, exist_ok=True)
     for tool in ("head", "tr"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "python3").symlink_to(sys.executable)
     _exe(bin_dir / "uname", f'[ "$1" = -m ] && echo {arch} || echo Linux\n')
     if smi is not None:
         _exe(bin_dir / "nvidia-smi", smi)
@@ -51,8 +85,8 @@ def run(tmp_path: Path, *, arch: str = "x86_64", smi: str | None = None, env: di
         python: str = "/venv/bin/python", dry: bool = True) -> subprocess.CompletedProcess:
     bin_dir = _bin(tmp_path, arch, smi)
     args = [BASH, str(SCRIPT)] + (["--print"] if dry else []) + [python]
-    return subprocess.run(args, env={"PATH": str(bin_dir), **(env or {})}, capture_output=True, text=True,
-                          timeout=30)
+    base = {"PATH": str(bin_dir), "CUDA_INDEX_BASE": CUDA_INDEX.removesuffix("/cu"), "PROBE_TIMEOUT_S": "5"}
+    return subprocess.run(args, env=base | (env or {}), capture_output=True, text=True, timeout=30)
 
 
 def chosen(res: subprocess.CompletedProcess) -> tuple[str, list[str]]:
@@ -201,6 +235,51 @@ def test_a_cpu_index_asked_for_on_a_gpu_node_is_not_checked(tmp_path):
     res = run(tmp_path, smi=_driver("580.95.05"), python=str(py), dry=False,
               env={"TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"})
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_an_unreachable_cuda_index_and_a_cuda_13_driver_install_pypis_plain_torch(tmp_path, arch):
+    """A machine that reaches only PyPI: PyPI's plain torch==2.13.0 (the CUDA 13.0 build since 2.11) serves a
+    driver >= 580; named as PyPI's index, so a configured local folder of CPU wheels cannot stand in for it."""
+    line, cmd = chosen(run(tmp_path, arch=arch, smi=_driver("580.95.05"), env={"CUDA_INDEX_BASE": UNREACHABLE}))
+    assert cmd == ["/venv/bin/python", "-m", "pip", "install", "-q", "torch==2.13.0",
+                   "--index-url", "https://pypi.org/simple"]  # fmt: skip
+    assert "cannot be reached" in line and "PyPI" in line and "580.95.05" in line and arch in line
+
+
+def test_an_unreachable_cuda_index_and_a_cuda_12_driver_fail_in_one_line(tmp_path):
+    line = one_error_line(run(tmp_path, smi=_driver("575.57.08"), env={"CUDA_INDEX_BASE": UNREACHABLE}))
+    assert "cannot be reached" in line and "575.57.08" in line and ">= 580" in line
+
+
+def test_an_unreachable_cuda_index_leaves_the_cpu_path_and_torch_index_url_alone(tmp_path):
+    _, cmd = chosen(run(tmp_path / "cpu", env={"CUDA_INDEX_BASE": UNREACHABLE}))
+    assert cmd == ["/venv/bin/python", "-m", "pip", "install", "-q", "torch==2.13.0"]
+    url = "https://download.pytorch.org/whl/cu126"
+    _, cmd = chosen(run(tmp_path / "gpu", smi=_driver("580.95.05"), env={"CUDA_INDEX_BASE": UNREACHABLE,
+                                                               "TORCH_INDEX_URL": url}))  # fmt: skip
+    assert index_of(cmd) == url
+
+
+def test_pypis_torch_installed_then_cuda_is_asserted(tmp_path):
+    """The PyPI path checks torch.cuda.is_available() as the CUDA index's does: a CPU build fails in one line."""
+    py, log = _fake_python(tmp_path, cuda=True, version="2.13.0")
+    res = run(tmp_path, smi=_driver("580.95.05"), python=str(py), dry=False, env={"CUDA_INDEX_BASE": UNREACHABLE})
+    assert res.returncode == 0, res.stderr
+    assert "sees CUDA" in res.stdout.splitlines()[-1]
+    assert log.read_text().split() == ["-m", "pip", "install", "-q", "torch==2.13.0", "--index-url",
+                                       "https://pypi.org/simple"]  # fmt: skip
+    bad = tmp_path / "cpu"
+    bad.mkdir()
+    py, _ = _fake_python(bad, cuda=False, version="2.13.0+cpu")
+    line = one_error_line(run(bad, smi=_driver("580.95.05"), python=str(py), dry=False,
+                              env={"CUDA_INDEX_BASE": UNREACHABLE}))  # fmt: skip
+    assert "torch.cuda.is_available() is False" in line
+
+
+def test_the_real_cuda_index_is_download_pytorch_org():
+    """The tests point CUDA_INDEX_BASE at a fake index; unset, the script uses the real one."""
+    assert "INDEX_BASE=${CUDA_INDEX_BASE:-https://download.pytorch.org/whl}" in SCRIPT.read_text()
 
 
 def test_the_makefile_calls_the_script():
