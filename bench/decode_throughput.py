@@ -24,7 +24,7 @@ random weights, so their predictive distributions are flat: no confidence passes
 
 Sizes: ``tiny`` = ``tdlm.load_backbone("tiny-llada")`` (d 64, 4 layers); ``medium`` = the real
 ``tdlm.models.llada.LLaDA`` class at d_model 256, 6 layers, 4 heads, SwiGLU 688, vocab 128, float32,
-seeded random init (``tdlm.models.loading._init_weights``).
+seeded random init (``tdlm.models.loading.init_weights``).
 
 Target (issue): batch 16 >= 4x the samples/s of batch 1. On a CPU this holds only while per-call
 overhead dominates; once the matmuls dominate (already at ~100 tokens here) batching adds little,

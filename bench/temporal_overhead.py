@@ -14,7 +14,7 @@ all H history entries at every temporal layer (the worst case of Eq. 8-9 for a g
 * ``tiny``: ``tdlm.load_backbone("tiny-llada")`` with its default temporal config
   (``dispersed:2`` = layers [1, 3], 2 heads x 16);
 * ``medium``: the real ``tdlm.models.llada.LLaDA`` class at d_model 512, 8 layers, 8 heads, SwiGLU 1376,
-  vocab 1024, float32, seeded random init (``tdlm.models.loading._init_weights``), with
+  vocab 1024, float32, seeded random init (``tdlm.models.loading.init_weights``), with
   ``TemporalConfig()``: ``dispersed:4`` = layers [1, 3, 5, 7], 4 heads x 64, history ``full``.
 
 Cache handling. The temporal cache is static (tdlm/temporal/history.py): every evaluation reads all C

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tdlm.data.tokenizer import build_toy_tokenizer, encode_prompts  # noqa: E402
 from tdlm.decoding import decode  # noqa: E402
 from tdlm.models.llada import LLaDA, LLaDAConfig  # noqa: E402
-from tdlm.models.loading import _init_weights, save_backbone  # noqa: E402
+from tdlm.models.loading import init_weights, save_backbone  # noqa: E402
 from tdlm.tasks.toydata import (  # noqa: E402
     ARITH_TRAIN_DRAWS,
     MULTI_GEN_LENGTH,
@@ -110,7 +110,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     tok = build_toy_tokenizer()
     model = LLaDA(LLaDAConfig.from_dict(MODEL))
-    _init_weights(model, args.seed)
+    init_weights(model, args.seed)
     init = None
     if args.init:
         from tdlm.models.loading import load_backbone

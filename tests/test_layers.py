@@ -311,3 +311,40 @@ def test_planted_upward_import_is_named(tmp_path, importer, imported, words):
     root = _plant(tmp_path, {"__init__.py": "", importer: imported, "temporal/attention.py": "",
                              "hub/__init__.py": "", "evaluation/report.py": ""})
     assert any(words in v for v in violations(import_graph(root))), violations(import_graph(root))
+
+
+def private_library_names(folders: tuple[str, ...] = SCRIPT_DIRS, repo: Path = REPO) -> list[str]:
+    """``file:line name`` for each private name of the library (a ``_x`` in ``tdlm...``) that a file outside it imports
+    or reads as an attribute: a script leaning on one breaks silently when the library renames what it never
+    promised to keep."""
+    found = []
+    for folder in folders:
+        for path in sorted((repo / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            aliases = {}  # local name -> the tdlm module it names (import tdlm.x as y)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    aliases.update({(a.asname or a.name): a.name for a in node.names if a.name.split(".")[0] == "tdlm"})
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tdlm" and not node.level:
+                    names = [a.name for a in node.names]
+                    names += [p for p in node.module.split(".") if p.startswith("_") and not p.startswith("__")]
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
+                    base = ast.unparse(node.value)
+                    if base.split(".")[0] in aliases or base.split(".")[0] == "tdlm":
+                        names = [node.attr]
+                found += [f"{path.relative_to(repo)}:{node.lineno} {n}" for n in names
+                          if n.startswith("_") and not n.startswith("__")]  # fmt: skip
+    return found
+
+
+def test_no_file_outside_the_library_uses_a_private_library_name():
+    assert private_library_names() == []
+
+
+def test_a_planted_private_import_is_named(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text("import tdlm.demo as d\nfrom tdlm.models.loading import _seed, ok\n"
+                                             "d._run()\nprint(d.run_stage)\n")  # fmt: skip
+    assert private_library_names(("bench",), tmp_path) == ["bench/x.py:2 _seed", "bench/x.py:3 _run"]

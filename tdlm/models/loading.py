@@ -87,7 +87,9 @@ def build_backbone(family: str, config: dict, source: str = "config") -> Backbon
     return cls(cfg_cls.from_dict(config, source))
 
 
-def _init_weights(model: Backbone, seed: int) -> None:
+def init_weights(model: Backbone, seed: int) -> None:
+    """The tiny backbones' seeded random init: norms at 1, every other weight N(0, 0.02) from one generator (the
+    same weights on every machine for a seed; public for scripts/train_tiny_backbone.py, which starts from it)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -184,7 +186,7 @@ def load_backbone(
     if name_or_path in PRESETS:
         preset = PRESETS[name_or_path]
         model = build_backbone(preset["family"], preset["config"], name_or_path)
-        _init_weights(model, preset["seed"])
+        init_weights(model, preset["seed"])
         model = model.to(device=device, dtype=_resolve_dtype(dtype, "float32"))
         model.backbone_id = name_or_path
         model.weight_fingerprint = f"preset:{name_or_path}"  # seeded: the name is the content
@@ -383,7 +385,7 @@ def load_backbone_meta(name_or_path: str) -> Backbone:
 def random_backbone(family: str, config: dict, seed: int = 0, backbone_id: str = "random") -> Backbone:
     """A frozen backbone of the real class at any size with seeded random weights (benches, probes)."""
     model = build_backbone(family, config, backbone_id)
-    _init_weights(model, seed)
+    init_weights(model, seed)
     model.backbone_id = backbone_id
     return model.freeze()
 
