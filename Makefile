@@ -50,15 +50,15 @@ multinode-tools:
 
 # Two passes over one suite: the single-process tests in TEST_WORKERS pytest-xdist workers (a test file stays on one
 # worker, so module fixtures are built once), then the tests marked slow (DeepSpeed launches, Ray clusters, deadline
-# checks) in SLOW_WORKERS workers, the same way. Two slow files at a time fit this 2-core machine: much of a slow
-# test is process start-up, rendezvous and waiting on a deadline, and every one of them passed two at a time at a
-# load of 8-12 (their time limits are generous); tests/conftest.py hands the longest files out first.
+# checks) in SLOW_WORKERS workers, the same way. Three slow files at a time on this 2-core machine: much of a slow
+# test is process start-up, rendezvous, polling and waiting on a deadline, and every one of them passed several at a
+# time at a load of 8-12 (their time limits are generous); tests/conftest.py hands the longest files out first.
 # SLOW_WORKERS=0 runs them one at a time in one process. Both passes always run; `make test` fails if either does.
 # TEST_ARGS reaches both (e.g. TEST_ARGS='-k sandbox').
 # DeepSpeed's CPU ops build into TORCH_EXTENSIONS_DIR behind a lock file; one per venv keeps a second checkout's
 # build (other include paths) from rebuilding, or waiting on a killed build's lock, in this one's.
 TEST_WORKERS ?= 2
-SLOW_WORKERS ?= 2
+SLOW_WORKERS ?= 3
 TEST_ARGS ?=
 test: $(STAMP) bubblewrap multinode-tools
 	@export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; \
