@@ -5,6 +5,8 @@ Commands (repository root; gpu_check.sh sets PYTHONPATH, installs the carried wh
     bash bench/gpu_check.sh                  # one H100/H200: every stage, at most 7 minutes (420 s), JSON to $OUT
     bash bench/gpu_check.sh --quick          # the subset below, at most 4 minutes (240 s)
     bash bench/gpu_check.sh --dry-run        # any CPU: every stage at toy size (the test suite runs it)
+    bash bench/gpu_check.sh --stages nfe --nfe-settings llada-8b/b3/dual/reduce-overhead/4L/diverge/tdlm
+                                             # an opt-in setting alone (the rows that diverge: about 4 minutes)
     python bench/gpu_check.py --deadline-s 300 --stage-deadline-s train=60,deepspeed=80 --setting-cap-s 120
 
 **Always returns what it measured.** The parent process never imports torch; each stage runs in a child process
@@ -27,7 +29,7 @@ stage       default   --quick   settings, in order (cheapest and most telling fi
 ==========  ========  ========  ==================================================================
 train       75 s      40 s      all, dispersed:16 (--quick: all)
 deepspeed   90 s      60 s      one ZeRO-3 run on one rank (its JSON after the plan and after each step)
-nfe         the rest  the rest  :func:`nfe_settings` (reduce-overhead vs compiled-static: the default run only)
+nfe         the rest  the rest  the default set of gpu_check_plan.nfe_settings (--quick: its compiled / memory)
 (reserve)   10 s      10 s      the kill, predicted_vs_measured.json
 overall     420 s     240 s     7 / 4 minutes: the 15 device-minutes of a session leave room for a rerun
 ==========  ========  ========  ==================================================================
@@ -53,24 +55,24 @@ other back.
 after threshold finished), ``raise:STAGE[:SETTING]`` (a failing setting), ``cudaerror:STAGE:SETTING`` (a failing
 setting whose error poisons the process) and ``nan:STAGE`` (NaN in the backbone's embedding: every loss is NaN).
 
-**CUDA graphs** (``compile="reduce-overhead"``, :func:`compile_kw`): the default run times LLaDA's batch 1 and 8,
-uncached and dual, threshold and tdlm, under ``compile="reduce-overhead"`` with ``storage="static"`` (setting
-``<model>/b<batch>/<cache>/reduce-overhead/4L``) beside the same settings under ``compile=True`` with
-``storage="static"`` (``.../compiled-static/4L``), both at the model scope (block scope refuses CUDA graphs, and a
-ratio stays within one scope) and at 4 of LLaDA's 32 layers at the true width (the depth option: a 32-layer
-model-scope compile would not fit the budget, :func:`nfe_plan`), their ms/NFE extrapolated per layer to 32 and said
-so in the printed row; each after an untimed decode that compiles and records its graphs. ``compile=True`` settings
-on the dynamic plan (``.../compiled``) compile by block (``compile_scope="block"``, regional compilation).
-bench/true_shape.py predicted them before any GPU run (``reduce_overhead`` in true_shape.json: the fused roofline,
-launches about 0, against the compile=True rows' launches at 5 µs each); the comparison prints each measured
-reduce-overhead ms/NFE beside its prediction, the measured reduce-overhead / compiled-static ratio (CUDA graphs
-alone) beside the predicted one, and compiled-static / compiled (the static plan alone, predicted 1: modelled by
-the dynamic trace) where both ran at one scope and depth.
+**CUDA graphs** (``compile="reduce-overhead"``, ``gpu_check_plan.compile_kw``): the default run times LLaDA's batch 1
+uncached, tdlm policy, under ``compile="reduce-overhead"`` with ``storage="static"`` (setting
+``llada-8b/b1/none/reduce-overhead/4L/tdlm``) beside the same setting under ``compile=True`` with ``storage="static"``
+(``.../compiled-static/4L/tdlm``); ``--all-settings`` adds the threshold policy, batch 8 and the dual cache. Both
+modes run at the model scope (block scope refuses CUDA graphs, and a ratio stays within one scope) and at 4 of LLaDA's
+32 layers at the true width (the depth option: a 32-layer model-scope compile would not fit the budget,
+``gpu_check_plan.nfe_plan``), their ms/NFE extrapolated per layer to 32 and said so in the printed row; each after an
+untimed decode that compiles and records its graphs. ``compile=True`` settings on the dynamic plan (``.../compiled``)
+compile by block (``compile_scope="block"``, regional compilation). bench/true_shape.py predicted them before any GPU
+run (``reduce_overhead`` in true_shape.json: the fused roofline, launches about 0, against the compile=True rows'
+launches at 5 µs each); the comparison prints each measured reduce-overhead ms/NFE beside its prediction, the measured
+reduce-overhead / compiled-static ratio (CUDA graphs alone) beside the predicted one, and compiled-static / compiled
+(the static plan alone, predicted 1: modelled by the dynamic trace) where both ran at one scope and depth.
 
-**The planned order** (:func:`nfe_plan`, printed at the start of a run): the check's own prediction of each decode
-setting's cold compile (``COMPILE_S`` per graph x ``GRAPHS`` per setting) and decode time, from the nfe stage's
-start after the training stages at their caps; the settings are ordered so that the first reduce-overhead setting
-and its compiled-static pair end inside the default 420 s (tests/test_gpu_check.py holds the plan to it).
+**The default set and the planned order** (``gpu_check_plan``: the settings, their keywords, the budgets and the
+check's own cold-compile prediction, printed at the start of a run): the default run's decode settings are the
+ones that prediction fits inside 420 s; the run prints the ones it leaves out, which ``--all-settings`` runs after
+them and ``--nfe-settings`` names one by one.
 
 ``--dry-run`` runs every stage at toy size on the CPU (compile with dynamo's eager backend; a reduce-overhead
 setting runs the static plan under that backend; its toy numbers are printed beside the H200 rows only to exercise
@@ -92,156 +94,21 @@ from pathlib import Path
 
 from gpu_check_common import STAGE_ORDER, read_json, write_json
 from gpu_check_compare import beside_predicted
+from gpu_check_plan import (
+    DEADLINE_S,
+    RESERVE_S,
+    STAGE_CAP_S,
+    find_setting,
+    left_out,
+    nfe_plan,
+    nfe_settings,
+    stage_items,
+)
 
-DEADLINE_S = {"full": 420.0, "quick": 240.0, "dry": 900.0}
-STAGE_CAP_S = {"full": {"train": 75.0, "deepspeed": 90.0}, "quick": {"train": 40.0, "deepspeed": 60.0}, "dry": {}}
-RESERVE_S = 10.0  # kept after the last stage: reaping a killed child and predicted_vs_measured.json
 MIN_STAGE_S = 5.0  # a stage with less than this left is not started (a child needs seconds to import torch)
 HOOKS_ENV = "TDLM_GPU_CHECK_HOOKS"
 T0_ENV = "GPU_CHECK_T0"  # gpu_check.sh's start (date +%s.%N), exported before its wheel install
 CHILD = Path(__file__).resolve().with_name("gpu_check_stages.py")  # one stage in one process (its docstring)
-
-
-# -- what runs, in which order ---------------------------------------------------------------------------
-def _setting(model: str, batch: int, cache: str, mode: str, gen: int | None = None, diverge: bool = False,
-             layers: int | None = None) -> dict:
-    """One decode setting; ``gen``: the decode-memory setting of that response length; ``diverge``: the rows that
-    diverge (a peaked LM-head row planted for the first request, bench/gpu_check_nfe.py's docstring); ``layers``:
-    the depth option (the model's true width, this many layers; its ms/NFE extrapolated per layer to full depth).
-    ``scope``: the compile scope of its mode (:func:`compile_scope`)."""
-    name = (f"{model}/b{batch}/{cache}/{mode}" + (f"/gen{gen}" if gen else "") + (f"/{layers}L" if layers else "")
-            + ("/diverge" if diverge else ""))  # fmt: skip
-    purpose = "memory" if gen else ("diverge" if diverge else "speed")
-    return {"name": name, "model": model, "batch": batch, "cache": cache, "mode": mode, "gen": gen,
-            "purpose": purpose, "layers": layers, "scope": compile_scope(mode)}  # fmt: skip
-
-
-# The rows that diverge: 3 requests, so the static plan decodes them in its bucket of 4 with one padding row; dual
-# cache (split refresh / window groups), under CUDA graphs (where finished and padding rows ride replayed graphs).
-DIVERGE = ("llada-8b", 3, "dual", "reduce-overhead")
-# The depth option of the CUDA-graph pairs: reduce-overhead needs the model scope, whose cold compile grows with
-# depth (a 32-layer graph would not fit the default budget, COMPILE_S): these layers at the true width.
-RO_LAYERS = {"full": 4, "dry": 2}
-FULL_LAYERS = {"llada-8b": 32, "dream-7b": 28}
-
-
-def compile_scope(mode: str) -> str | None:
-    """The compile scope of a mode: ``compiled`` (compile=True, dynamic plan) compiles by block (regional
-    compilation: one graph per region, whatever the depth); ``reduce-overhead`` needs the model scope (block scope
-    refuses CUDA graphs), and so does ``compiled-static``, the setting it is timed against: a ratio is taken within
-    one scope only. Eager compiles nothing (None)."""
-    return {"compiled": "block", "compiled-static": "model", "reduce-overhead": "model"}.get(mode)
-
-
-def nfe_settings(dry_run: bool = False, quick: bool = False) -> list[dict]:
-    """The decode settings, in the order :func:`nfe_plan` predicts reaches the CUDA-graph settings within the
-    default budget. On the GPU: ``compile="reduce-overhead"`` (CUDA graphs, ``storage="static"``, model scope) at
-    batch 1 uncached first, then ``compiled-static`` (compile=True on the same static plan and scope, the setting it
-    is timed against: ``gpu_check_common.RATIOS``), both at :data:`RO_LAYERS` layers (the depth option); then
-    LLaDA's compiled uncached batch 1 (block scope: TDLM's overhead, kernels per NFE, host time per launch), the
-    decode memory of a left-padded batch of 8 (where the full history weighs most), batch 8 compiled, the dual cache
-    compiled; then the other CUDA-graph pairs (batch 1 dual, batch 8), the rows that diverge, eager (compiled / eager
-    ratios), Dream last. ``--quick``: the four compile=True / memory settings, no eager timing and no reduce-overhead.
-    A dry run: one compiled setting (block scope, dynamo's eager backend), two reduce-overhead ones (on a CPU the
-    static plan under dynamo's eager backend, as CUDA graphs need CUDA: uncached, held against its compiled-static
-    twin, and dual, the static spatial KV cache), at the depth option, the rows that diverge, the memory setting,
-    then every eager one."""
-    S = _setting
-    if dry_run:
-        L = RO_LAYERS["dry"]
-        eager = [S(m, b, c, "eager") for b in (1, 8) for m in ("llada-8b", "dream-7b") for c in ("none", "dual")]
-        return [S("llada-8b", 1, "none", "reduce-overhead", layers=L), S("llada-8b", 1, "none", "compiled-static",
-                layers=L), S("llada-8b", 1, "none", "compiled"), S("llada-8b", 1, "dual", "reduce-overhead", layers=L),
-                S(*DIVERGE, diverge=True, layers=L), S("llada-8b", 8, "none", "eager", 32), *eager]  # fmt: skip
-    first = [S("llada-8b", 1, "none", "compiled"), S("llada-8b", 8, "none", "eager", 256),
-             S("llada-8b", 8, "none", "compiled"), S("llada-8b", 1, "dual", "compiled")]
-    if quick:
-        return first
-    L = RO_LAYERS["full"]
-    ro = [S("llada-8b", 1, "none", "reduce-overhead", layers=L), S("llada-8b", 1, "none", "compiled-static", layers=L)]
-    graphs = [S("llada-8b", 1, "dual", "reduce-overhead", layers=L), S("llada-8b", 1, "dual", "compiled-static",
-              layers=L), S("llada-8b", 8, "dual", "reduce-overhead", layers=L),
-              S("llada-8b", 8, "dual", "compiled-static", layers=L), S("llada-8b", 8, "dual", "compiled"),
-              S("llada-8b", 8, "none", "reduce-overhead", layers=L),
-              S("llada-8b", 8, "none", "compiled-static", layers=L), S(*DIVERGE, diverge=True, layers=L)]  # fmt: skip
-    return ro + first + graphs + [S("llada-8b", 1, "none", "eager", 256),
-                                  S("llada-8b", 1, "none", "eager"), S("llada-8b", 1, "dual", "eager"),
-                                  S("llada-8b", 8, "none", "eager"), S("llada-8b", 8, "dual", "eager"),
-                                  S("dream-7b", 1, "none", "compiled"), S("dream-7b", 1, "dual", "compiled"),
-                                  S("dream-7b", 1, "none", "eager"), S("dream-7b", 1, "dual", "eager"),
-                                  S("dream-7b", 8, "none", "compiled"), S("dream-7b", 8, "dual", "compiled"),
-                                  S("dream-7b", 8, "none", "eager"), S("dream-7b", 8, "dual", "eager")]  # fmt: skip
-
-
-def compile_kw(mode: str, dry_run: bool) -> dict:
-    """``tdlm.decode`` keywords of a setting's mode: ``compiled`` is ``compile=True`` with ``compile_scope="block"``
-    (dynamo's eager backend in a dry run); ``compiled-static`` is ``compile=True`` with ``storage="static"`` at the
-    model scope (what reduce-overhead is timed against: the same plan and scope, no CUDA graphs);
-    ``reduce-overhead`` is ``compile="reduce-overhead"`` with ``storage="static"`` (CUDA graphs keep the spatial KV
-    cache only at fixed addresses: DecodeConfig refuses the dynamic plan, and block scope refuses CUDA graphs), in a
-    dry run the same static plan under dynamo's eager backend (CUDA graphs need CUDA); ``eager`` compiles nothing."""
-    if mode == "reduce-overhead":
-        return {"compile": "eager" if dry_run else "reduce-overhead", "storage": "static", "compile_scope": "model"}
-    if mode == "compiled-static":
-        return {"compile": "eager" if dry_run else True, "storage": "static", "compile_scope": "model"}
-    if mode == "compiled":
-        return {"compile": "eager" if dry_run else True, "compile_scope": "block"}
-    return {"compile": False}
-
-
-# -- the check's own prediction of its time: cold compiles first -----------------------------------------------
-# Cold compile per graph on the GPU (a bare machine: every cache cold), from bench/results/compile_scope.json (this
-# CPU, inductor, fresh caches): the model scope took 55.3 s at 4 layers and 120.3 s at 32, i.e. 46 s for the step's
-# own work plus 2.3 s per layer; the block scope 17.0 s and 21.1 s for 2 region graphs, about 10.5 s a graph
-# whatever the depth. The GPU is taken to compile at the same pace: issue 49's estimate of 1-3 min per 32-layer 8B
-# graph brackets the model scope's 120 s. Each setting's row records its warm-up seconds (compile included): the
-# first GPU run's numbers replace these.
-COMPILE_S = {"model_step": 46.0, "model_layer": 2.3, "block_graph": 10.5}
-# Graphs one decode compiles per policy (threshold, tdlm), counted with dynamo's unique_graphs on the toy models at
-# batch 1 (dual: 3 under the dynamic plan, 2 under the static one; taken as 3); the block scope's graphs are regions
-# x step kinds: attention and feed-forward, plus the temporal step for tdlm. A batch of 8 is given one more graph per
-# policy (rows leaving the batch make its size dynamic; the toy's uncached batch 8 compiled the same count as b1).
-GRAPHS = {("model", "none"): (1, 1), ("model", "dual"): (3, 3), ("block", "none"): (2, 4), ("block", "dual"): (4, 8)}
-DECODE_MS = {"eager": 40.0, "compiled": 15.0, "compiled-static": 15.0, "reduce-overhead": 10.0}  # per NFE, upper
-STARTUP_S = 20.0  # gpu_check.sh's start, the wheel install and the parent's start before the first stage
-
-
-def predicted_seconds(setting: dict, gen_length: int = 64) -> dict:
-    """The check's own prediction of one setting on the GPU: ``compile`` (cold graphs, both policies), ``decode``
-    (the untimed, timed and profiled decodes of both policies, one token per evaluation) and their sum."""
-    scope, layers = setting["scope"], setting.get("layers") or FULL_LAYERS[setting["model"]]
-    compile_s = 0.0
-    if scope:
-        per = (COMPILE_S["model_step"] + COMPILE_S["model_layer"] * layers) if scope == "model" else \
-            COMPILE_S["block_graph"]  # fmt: skip
-        n = sum(GRAPHS[(scope, "none" if setting["cache"] == "none" else "dual")]) + 2 * (setting["batch"] > 1)
-        compile_s = n * per
-    evals = setting.get("gen") or gen_length
-    depth = layers / FULL_LAYERS[setting["model"]]
-    decode_s = 2 * 3 * evals * DECODE_MS[setting["mode"]] * max(depth, 0.1) / 1000
-    return {"compile": compile_s, "decode": decode_s, "total": compile_s + decode_s}
-
-
-def nfe_plan(mode: str = "full") -> list[dict]:
-    """The default run's decode settings in order, each with its predicted seconds and the predicted time (from the
-    run's start) at which it ends: the nfe stage starts after the start-up and the train and deepspeed stages at
-    their caps (the prediction's upper bound), and is stopped at the deadline less the reserve."""
-    t = STARTUP_S + sum(STAGE_CAP_S[mode].values())
-    plan = []
-    for s in nfe_settings(quick=mode == "quick"):
-        p = predicted_seconds(s)
-        t += p["total"]
-        plan.append({"name": s["name"], **{f"predicted_{k}_s": v for k, v in p.items()}, "predicted_end_s": t,
-                     "within_budget": t <= DEADLINE_S[mode] - RESERVE_S})  # fmt: skip
-    return plan
-
-
-def stage_items(stage: str, dry_run: bool, quick: bool) -> list[str]:
-    if stage == "train":
-        return ["all", "dispersed:4"] if dry_run else (["all"] if quick else ["all", "dispersed:16"])
-    if stage == "deepspeed":
-        return ["zero3"]
-    return [s["name"] for s in nfe_settings(dry_run, quick)]
 
 
 def run_start(environ: Mapping[str, str] | None = None) -> float:
@@ -387,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-stage caps (defaults: module docstring); a stage never runs past --deadline-s")
     ap.add_argument("--setting-cap-s", type=float, default=0.0,
                     help="stop one setting after this long and go on with the next in a new child (0: off)")
-    ap.add_argument("--nfe-settings", default="", help="comma list of nfe setting names to run (default: all)")
+    ap.add_argument("--nfe-settings", default="",
+                    help="comma list of nfe setting names to run, any of --all-settings' (default: the default set)")
+    ap.add_argument("--all-settings", action="store_true",
+                    help="the opt-in decode settings too, after the default set (nfe_settings; pass a --deadline-s "
+                         "that fits them: the printed plan predicts each)")  # fmt: skip
     args = ap.parse_args(argv)
     t0 = run_start()
     mode = "dry" if args.dry_run else ("quick" if args.quick else "full")
@@ -401,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown stage(s) {unknown}; expected {', '.join(STAGE_ORDER)}", file=sys.stderr)
         return 2
-    plan_items = {s: stage_items(s, args.dry_run, args.quick) for s in stages}
+    plan_items = {s: stage_items(s, args.dry_run, args.quick, args.all_settings) for s in stages}
     if args.nfe_settings and "nfe" in plan_items:
         wanted = args.nfe_settings.split(",")
-        known = [s["name"] for s in nfe_settings(args.dry_run, False)]
+        known = [s["name"] for s in nfe_settings(args.dry_run, every=True)]
         if set(wanted) - set(known):
             print(f"error: unknown nfe settings {sorted(set(wanted) - set(known))}; known: {known}", file=sys.stderr)
             return 2
@@ -417,12 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     print(f"[gpu_check] {mode} run: deadline {deadline_s:.0f} s from start ({time.time() - t0:.0f} s gone), "
           f"stages {', '.join(stages)}", flush=True)  # fmt: skip
+    left = []
     if mode != "dry" and "nfe" in stages:  # the check's own prediction: which decode settings the budget reaches
-        plan = nfe_plan(mode)
-        reached = [p for p in plan if p["within_budget"]]
+        plan = nfe_plan(mode, [find_setting(n, False) for n in plan_items["nfe"]], tuple(stages))
+        reached = [p for p in plan if p["predicted_end_s"] <= deadline_s - RESERVE_S]
         names = ", ".join(f"{p['name']} by {p['predicted_end_s']:.0f} s" for p in reached)
         print(f"[gpu_check] predicted (cold compiles, COMPILE_S): {len(reached)} of {len(plan)} decode settings "
-              f"within {DEADLINE_S[mode]:.0f} s: {names}", flush=True)  # fmt: skip
+              f"within {deadline_s:.0f} s: {names}", flush=True)  # fmt: skip
+        left = [n for n in left_out(mode) if n not in plan_items["nfe"]]
+        if left and not args.nfe_settings:
+            print(f"[gpu_check] left out by default ({len(left)}; --all-settings runs them after these, "
+                  f"--nfe-settings names any): {', '.join(left)}", flush=True)  # fmt: skip
     results: dict = {}
     for p in [out / f"gpu_{s}{suffix}.json" for s in stages] + [out / f"predicted_vs_measured{suffix}.json"]:
         p.unlink(missing_ok=True)  # an earlier run's file in the same folder would pass for this run's
@@ -438,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[gpu_check] {stage}: {len(plan_items[stage])} settings, until +{until - t0:.0f} s",
                       flush=True)  # fmt: skip
                 doc = run_stage(stage, plan_items[stage], path, until, args, args.setting_cap_s)
+            if stage == "nfe" and left:  # what this run chose not to run, beside what it could not reach
+                doc["left_out"] = left
+                write_json(path, doc)
             results[stage] = doc
             done = sum(v == "ok" for v in doc["items"].values())
             print(f"[gpu_check] {stage}: {doc['status']} ({done} of {len(doc['items'])} settings ok) in "

@@ -5,7 +5,11 @@
 #                                                    #   x86_64 wheels in .whl/ (the lent H100/H200 is x86_64)
 #   bash bench/gpu_check.sh --fetch --arch aarch64   # the same for a GH200 (aarch64); --print: the commands only
 #   bash bench/gpu_check.sh                          # on the GPU machine (repository root): every stage, at most
-#                                                    #   7 minutes, JSON to $OUT after every setting
+#                                                    #   7 minutes, JSON to $OUT after every setting; the decode
+#                                                    #   settings that fit (it prints the ones it leaves out)
+#   bash bench/gpu_check.sh --all-settings --deadline-s 3600   # the opt-in decode settings too
+#   bash bench/gpu_check.sh --stages nfe --nfe-settings NAME,...  # named settings only (the rows that diverge:
+#                                                    #   llada-8b/b3/dual/reduce-overhead/4L/diverge/tdlm, ~4 min)
 #   bash bench/gpu_check.sh --quick                  # the subset, at most 4 minutes
 #   bash bench/gpu_check.sh --dry-run                # any CPU: every stage at toy size (the test suite runs this)
 #

@@ -45,6 +45,11 @@ def _loop_kernels(kernels: dict, policy: str, cache: str, batch: int, block: int
     return (counts["eval"] + (block - 1) * counts["window"]) / block
 
 
+def _policies(row: dict) -> tuple[str, ...]:
+    """The policies a setting ran (``gpu_check_plan._setting``: both unless its name ends in one)."""
+    return tuple(row.get("policies") or ("threshold", "tdlm"))
+
+
 def cuda_graph_proof(row: dict, policy: str) -> str | None:
     """Why a reduce-overhead setting's ``policy`` number is not a CUDA-graph number, or None when it is: inductor
     skipped none of its graphs (``<policy>_cudagraph_skips`` 0: a skipped graph runs without CUDA graphs, silently
@@ -117,17 +122,19 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                      "predicted": planner / 2**30 if planner else None,
                      "source": "plan(zero=3, world_size=1), ds_configs/zero3.json knobs"})  # fmt: skip
     block = docs["nfe"].get("block_size", 32)
-    # the setting each mode of RATIOS is held against: same model, batch and cache, the paired mode
-    # (a ratio is taken within one depth and one compile scope only: gpu_check.compile_scope)
-    by_mode = {(m["mode"], m["model"], m["batch"], m["cache"], m.get("layers"), m.get("scope")): m
-               for m in docs["nfe"].get("rows", []) if m.get("purpose") == "speed" and "mode" in m}  # fmt: skip
+    # the setting each mode of RATIOS is held against: same model, batch, cache and policy, the paired mode
+    # (a ratio is taken within one depth and one compile scope only: gpu_check_plan.compile_scope); a setting may run
+    # one policy, and another setting of the same mode the other
+    by_mode = {(m["mode"], m["model"], m["batch"], m["cache"], m.get("layers"), m.get("scope"), policy): m
+               for m in docs["nfe"].get("rows", []) if m.get("purpose") == "speed" and "mode" in m
+               for policy in _policies(m)}  # fmt: skip
     pair_of = dict(RATIOS)
     for m in docs["nfe"].get("rows", []):
         if "mode" not in m:
             continue
         key, model = (m["model"], m["batch"], m["cache"]), m["model"]
         p = sel["gpu_check"].get(key)
-        for policy in ("threshold", "tdlm"):
+        for policy in _policies(m):
             if m["purpose"] == "memory":
                 label = "backbone" if policy == "threshold" else "tdlm full"
                 want = sel["decode_memory"].get((model, "backbone" if policy == "threshold" else "tdlm",
@@ -161,7 +168,7 @@ def beside_predicted(out: Path, dry_run: bool, prediction: Path = PREDICTION) ->
                          "predicted_cuda_graphs": pm.get("cuda_graphs") if compiled else None, **mark})  # fmt: skip
             if m["mode"] in pair_of:  # one factor apart (RATIOS): CUDA graphs alone, or the storage plan alone
                 over = pair_of[m["mode"]]
-                base_row = by_mode.get((over, *key, m.get("layers"), m.get("scope")), {})
+                base_row = by_mode.get((over, *key, m.get("layers"), m.get("scope"), policy), {})
                 base, mine = base_row.get(f"{policy}_ms_per_nfe"), m.get(f"{policy}_ms_per_nfe")
                 mine_p, base_p = pm.get(m["mode"]), pm.get(over)
                 ro = m["mode"] == "reduce-overhead"

@@ -2,22 +2,21 @@
 
 * ``nfe``: ``tdlm.decode`` as users run it, LLaDA-8B and Dream-7B shape (random bf16 weights), prompt 256 + 64 in
   blocks of 32, batch 1 and a left-padded batch of 8, cache none / dual, compiled (``compile=True``) and eager,
-  threshold vs tdlm (half the layers, dispersed, live adapter): ms per NFE and TDLM / backbone; and
-  ``compile="reduce-overhead"`` with ``storage="static"`` (CUDA graphs; ``gpu_check.compile_kw``) at batch 1 and 8,
-  none / dual, beside compile=True on the same static plan (``compiled-static``;
-  ``reduce_overhead_over_compiled_static``), which is beside compile=True dynamic
-  (``compiled_static_over_compiled``). Each setting decodes once untimed (compiles;
+  threshold vs tdlm (half the layers, dispersed, live adapter; a setting whose name ends in a policy runs that one
+  only, ``gpu_check_plan._setting``): ms per NFE and TDLM / backbone; and ``compile="reduce-overhead"`` with
+  ``storage="static"`` (CUDA graphs; ``gpu_check_plan.compile_kw``) at batch 1 and 8, none / dual, beside compile=True
+  on the same static plan (``compiled-static``; ``reduce_overhead_over_compiled_static``), which is beside
+  compile=True dynamic (``compiled_static_over_compiled``). Each setting decodes once untimed (compiles;
   reduce-overhead also records its CUDA graphs at the static plan's addresses) and once timed (replays). Batch-1
   ``compile=True`` settings and every reduce-overhead one decode once more under ``torch.profiler``
-  (:func:`launch_profile`): kernels per NFE launched inside the compiled region only, the host time per launch and
-  the ``cudaGraphLaunch`` calls (:func:`region_counts`). Every setting records inductor's ``cudagraph_skips``
-  counter over its decodes (``<policy>_cudagraph_skips``): a reduce-overhead setting with a skip, or without a graph
-  launch, is not a CUDA-graph number (the comparison marks it). ``/gen256``
-  settings decode a 256-token response once per policy for the decode memory at true_shape.json's
-  ``decode_memory`` shape (max allocated after a peak reset).
-* **Scope and depth** (``gpu_check.compile_scope``, ``gpu_check.RO_LAYERS``): ``compiled`` settings decode with
-  ``compile_scope="block"``; ``reduce-overhead`` and ``compiled-static`` at the model scope, on a LLaDA of the true
-  width and fewer layers (:func:`_models`), whose ms/NFE is also given extrapolated per layer to the full depth
+  (:func:`launch_profile`): kernels per NFE launched inside the compiled region only, the host time per launch and the
+  ``cudaGraphLaunch`` calls (:func:`region_counts`). Every setting records inductor's ``cudagraph_skips`` counter over
+  its decodes (``<policy>_cudagraph_skips``): a reduce-overhead setting with a skip, or without a graph launch, is not
+  a CUDA-graph number (the comparison marks it). ``/gen256`` settings decode a 256-token response once per policy for
+  the decode memory at true_shape.json's ``decode_memory`` shape (max allocated after a peak reset).
+* **Scope and depth** (``gpu_check_plan.compile_scope``, ``gpu_check_plan.RO_LAYERS``): ``compiled`` settings decode
+  with ``compile_scope="block"``; ``reduce-overhead`` and ``compiled-static`` at the model scope, on a LLaDA of the
+  true width and fewer layers (:func:`_models`), whose ms/NFE is also given extrapolated per layer to the full depth
   (``<policy>_ms_per_nfe_full_depth``). :func:`nfe_summary` takes a ratio within one scope and depth only.
 * **Rows that diverge** (``.../diverge``, :func:`plant_divergence`): under random weights every row reveals one
   token per evaluation, so the rows of a batch move in lockstep and a decode never splits its refresh / window
@@ -35,8 +34,9 @@ import contextlib
 import statistics
 import time
 
-from gpu_check import compile_kw, hook, nfe_settings
+from gpu_check import hook
 from gpu_check_common import HOST_US_PER_LAUNCH_IS, RATIOS
+from gpu_check_plan import compile_kw, find_setting, nfe_settings
 
 ANCHOR_MS_PER_NFE = 585.0 / 40.08  # paper, Table 4 "16, dispersed (main)": 0.585 s for 40.08 NFE (GH200)
 
@@ -61,7 +61,7 @@ def nfe_setup(ctx) -> dict:
             "compile_by_mode": {m: compile_kw(m, ctx.dry_run) for m in
                                 ("compiled", "compiled-static", "reduce-overhead", "eager")},
             "anchor_ms_per_nfe_gh200": ANCHOR_MS_PER_NFE,
-            "settings": {s["name"]: s for s in nfe_settings(ctx.dry_run)}}  # fmt: skip
+            "settings": {s["name"]: s for s in nfe_settings(ctx.dry_run, every=True)}}  # fmt: skip
 
 
 def _dream(dry_run: bool, device, dtype):
@@ -126,13 +126,14 @@ def bb_layers(ctx, model: str) -> int:
 
 
 def nfe_item(ctx, name: str, partial) -> dict:
-    """One decode setting (``nfe_settings``), threshold then tdlm; ``partial`` after each policy."""
+    """One decode setting (``nfe_settings``), its policies (threshold then tdlm, or the one it names); ``partial``
+    after each policy."""
     import torch
 
     import tdlm
     from tdlm.training.planner import PeakMeter, tensor_bytes
 
-    s = next(x for x in nfe_settings(ctx.dry_run) if x["name"] == name)
+    s = find_setting(name, ctx.dry_run)
     P, G, bs = _shape(ctx, s)
     bb, live = _models(ctx, s["model"], s.get("layers"))
     g = torch.Generator(device="cpu").manual_seed(1000 * s["batch"] + P)  # the same prompts after a restart
@@ -141,8 +142,9 @@ def nfe_item(ctx, name: str, partial) -> dict:
     # profiled after the timed decode: compile=True at batch 1 (kernels per NFE, host time per launch) and every
     # reduce-overhead setting (its cudaGraphLaunch events: the proof that CUDA graphs were replayed at all)
     profiled = (s["mode"] == "compiled" and s["batch"] == 1) or s["mode"] == "reduce-overhead"
-    how = compile_kw(s["mode"], ctx.dry_run)  # reduce-overhead: CUDA graphs + the static plan (gpu_check.compile_kw)
-    row: dict = {k: s[k] for k in ("model", "batch", "cache", "mode", "purpose", "scope")} | {"gen_length": G} | how
+    how = compile_kw(s["mode"], ctx.dry_run)  # reduce-overhead: CUDA graphs + the static plan (compile_kw)
+    row: dict = {k: s[k] for k in ("model", "batch", "cache", "mode", "purpose", "scope", "policies")}
+    row |= {"gen_length": G} | how
     if s.get("layers"):  # the depth option: measured at these layers, extrapolated per layer to the full depth
         row.update(layers=s["layers"], full_layers=bb_layers(ctx, s["model"]))
     # .../diverge: a peaked LM-head row for the first request only, put back when the setting ends
@@ -150,7 +152,7 @@ def nfe_item(ctx, name: str, partial) -> dict:
     with planted as plant:
         if plant:
             row["planted"] = plant
-        for policy in ("threshold", "tdlm"):
+        for policy in s["policies"]:
             target = live if policy == "tdlm" else bb
             kw = dict(policy=policy, cache=s["cache"], gen_length=G, block_size=bs, threshold=0.9, **how)
             h = hook("sleep", "nfe", f"{name}@{policy}")  # test hook: a policy that hangs after the other finished
@@ -269,17 +271,18 @@ def nfe_summary(doc: dict) -> None:
     compiled-static / compiled), of the same model, batch and cache, wherever both have run."""
     rows = [r for r in doc["rows"] if r.get("purpose") == "speed"]
 
-    def same(r: dict, mode: str) -> dict | None:  # the same model, batch, cache, depth (and scope, for RATIOS)
+    # the row of ``mode`` with the same model, batch, cache and depth (and scope, for RATIOS) that ran ``policy``
+    def same(r: dict, mode: str, policy: str) -> dict | None:
         key = ("model", "batch", "cache", "layers") + (("scope",) if mode != "eager" else ())
-        return next((e for e in rows if e.get("mode") == mode and [e.get(k) for k in key] == [r.get(k) for k in key]
-                     ), None)  # fmt: skip
+        return next((e for e in rows if e.get("mode") == mode and f"{policy}_ms_per_nfe" in e
+                     and [e.get(k) for k in key] == [r.get(k) for k in key]), None)  # fmt: skip
 
     for r in rows:
         for mode, over in (("compiled", "eager"), *RATIOS):
             key = f"{mode}_over_{over}".replace("-", "_")  # e.g. reduce_overhead_over_compiled_static
-            base = same(r, over) if r.get("mode") == mode else None
             for policy in ("threshold", "tdlm"):
-                if base and f"{policy}_ms_per_nfe" in r and f"{policy}_ms_per_nfe" in base:
+                base = same(r, over, policy) if r.get("mode") == mode else None
+                if base and f"{policy}_ms_per_nfe" in r:
                     r[f"{policy}_{key}"] = r[f"{policy}_ms_per_nfe"] / base[f"{policy}_ms_per_nfe"]
 
 

@@ -18,7 +18,7 @@ Exit status 3 after a CUDA error: it poisons this process, so the parent goes on
   start and again after the warm-up step), next to ``plan(zero=3, world_size=1)`` with the DS JSON's knobs; every
   loss finite. DeepSpeed is imported first, before any backbone is built (:func:`deepspeed_preflight`); the stage
   is skipped when that import fails in any way (its wheels travel in ``.whl/``, see gpu_check.sh).
-* ``nfe``: the decode settings (``gpu_check.nfe_settings``) and their launch profile: bench/gpu_check_nfe.py, whose
+* ``nfe``: the decode settings (``gpu_check_plan.nfe_settings``) and their launch profile: bench/gpu_check_nfe.py, whose
   functions this module's ``STAGES`` table runs (and re-exports, as the tests call them from here).
 """
 

@@ -318,6 +318,63 @@ def against_spans(against: dict, quiet: dict, itself: dict) -> dict[str, str]:
             "q_compiled": f"{ratios(quiet, none, mode='compiled', method='tdlm')[0]:.3f}"}  # fmt: skip
 
 
+def minus(text: str) -> str:
+    """Prose writes a negative number with the minus sign (U+2212), as README's intervals do."""
+    return text.replace("-", "\u2212")
+
+
+ARMS = (("off", "off-policy"), ("on", "on-policy"), ("more", "more-data"), ("cur", "current-only"))
+BASELINES = (("th", "threshold tau 0.9"), ("cr", "credit tau 0.9"))
+
+
+def readme_onpolicy_arms(d: dict) -> dict[str, str]:
+    """onpolicy.json's 3-seed experiment: each arm's accuracy (mean ± sd over seeds, %) and NFE at its τ, and the
+    training-free baselines at theirs (README's "Do trained adapters earn their place?")."""
+    f = d["final"]
+    arms = f["arms"]
+    out = {"tau": f"{f['tau']:g}", "ref_tau": f"{f['reference_tau']:g}", "ref_tau2": f"{f['reference_tau']:g}"}
+    for key, arm in ARMS:
+        a = arms[arm]
+        out |= {f"{key}_acc": f"{100 * a['accuracy_mean']:.1f}", f"{key}_nfe": f"{a['nfe_mean']:.1f}",
+                f"{key}_sd": f"{100 * a['accuracy_sd_over_seeds']:.1f}"}  # fmt: skip
+    for key, arm in BASELINES:
+        out |= {f"{key}_acc": f"{100 * arms[arm]['accuracy_mean']:.1f}", f"{key}_nfe": f"{arms[arm]['nfe_mean']:.1f}"}
+    return out
+
+
+def readme_onpolicy_targets(d: dict) -> dict[str, str]:
+    """onpolicy.json's differences in points with their two-level 95% intervals, the NFE ratio against threshold
+    and the training-seed sd (README's list of unmet targets)."""
+    diff = d["final"]["differences"]
+    out = {}
+    for key, name in (("credit", "on-policy - credit"), ("more", "on-policy - more-data"),
+                      ("cur", "on-policy - current-only"), ("th", "on-policy - threshold")):  # fmt: skip
+        x = diff[name]
+        out |= {f"d_{key}": minus(f"{100 * x['accuracy_diff']:.1f}"), f"{key}_lo": minus(points(x["interval"][0])),
+                f"{key}_hi": minus(points(x["interval"][1]))}  # fmt: skip
+    # the targets by what they hold: the one against threshold is the one with its interval and an NFE ratio
+    th = next(t for t in d["targets"].values() if t.get("interval") == diff["on-policy - threshold"]["interval"])
+    sd = next(t for t in d["targets"].values() if "sd" in t)
+    return out | {"th_ratio": f"{th['nfe_ratio']:.2f}", "seed_sd": f"{100 * sd['sd']:.1f}"}
+
+
+def readme_seed_variance(d: dict) -> dict[str, str]:
+    """seed_variance.json: accuracy sd over seeds per τ (points), the widest range, the evaluation's SE and the
+    largest NFE sd."""
+    spread = d["spread"]
+    out = {f"sd_{tau.replace('.', '')}": f"{100 * v['accuracy_sd_over_seeds']:.1f}" for tau, v in spread.items()}
+    return out | {
+        "range": f"{100 * max(v['accuracy_range'][1] - v['accuracy_range'][0] for v in spread.values()):.0f}",
+        "se": f"{100 * max(v['eval_standard_error'] for v in spread.values()):.1f}", "n": str(d["limit"]),
+        "nfe_sd": f"{max(v['nfe_sd_over_seeds'] for v in spread.values()):.2f}"}  # fmt: skip
+
+
+def gpu_compile_scope(d: dict) -> dict[str, str]:
+    """compile_scope.json: the cold compile of the 32-layer toy LLaDA at block and at model scope (docs/gpu.md)."""
+    r = next(r for r in d["rows"] if r["layers"] == 32)
+    return {"block_s": f"{r['block']['compile_s']:.0f}", "model_s": f"{r['model']['compile_s']:.0f}"}
+
+
 # -- bench/results/multi_recipe_search.json (docs/demo.md) ---------------------------------------------------
 # the candidates' descriptions are words (the JSON's "change" is terser); every number comes from the JSON
 DEMO_RECIPES = {

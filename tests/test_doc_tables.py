@@ -253,3 +253,26 @@ def test_a_fact_whose_words_left_the_page_is_an_error(tmp_path):
     page.write_text(page.read_text().replace("CUDA-graph-tree check accepts", "CUDA-graph-tree check takes"))
     with pytest.raises(dt.RegionError, match="readiness_static"):
         dt.stale_facts(root)
+
+
+def test_every_field_of_every_fact_one_digit_off_is_named(tmp_path):
+    """Each number of each registered sentence, one digit off on a copy of its page, is the one message --check
+    gives: the fact and the field (the README's on-policy arms and intervals, its seed spread and docs/gpu.md's
+    compile times among them)."""
+    root = copy_tree(tmp_path)
+    assert {"readme_onpolicy_arms", "readme_onpolicy_targets", "readme_seed_variance", "gpu_compile_scope"} <= {
+        f.name for f in dt.FACTS}
+    planted = 0
+    for fact in dt.FACTS:
+        page = root / fact.page
+        text = page.read_text()
+        m = dt.fact_matches(fact, text)
+        for field in m.groupdict():
+            i = max(j for j in range(m.start(field), m.end(field)) if text[j].isdigit())
+            wrong = text[:i] + ("1" if text[i] != "1" else "2") + text[i + 1 :]
+            page.write_text(wrong)
+            msgs = dt.stale_facts(root, [fact])
+            assert len(msgs) == 1 and f"fact {fact.name}: {field} is " in msgs[0], (fact.name, field, msgs)
+            planted += 1
+        page.write_text(text)
+    assert planted >= 60 and dt.stale_facts(root) == []
