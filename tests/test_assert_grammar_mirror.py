@@ -102,7 +102,8 @@ def test_identity_with_a_name_the_assert_binds_is_refused_on_either_side(left, r
         assert why is not None and "identity (`is`)" in why and "a name the assert binds" in why, (test, why)
 
 
-@pytest.mark.parametrize("test", ["assert all(x is None for x in f(1))", "assert all(None is not x for x in f(1))",
+@pytest.mark.parametrize("test", ["assert all([x is None for x in f(1)])",
+                                  "assert all([None is not x for x in f(1)])",
                                   "assert (lambda v: v is True)(f(1))", "assert (lambda v: False is v)(f(1))"])
 def test_a_bound_name_against_a_singleton_splits_on_either_side(test):
     assert _refusal(test) is None and split_asserts([test], [], NAMES)[0].calls == ("f(1)",)

@@ -130,10 +130,10 @@ CONSUMED = [
     "assert list(vals(3)) == [0, 1, 4]", "assert items(2) == {(0, '0'), (1, '1')}", "assert rng(6) == range(1, 6, 2)",
     "assert ba(2) == b'abab'", "assert frac(3) == fractions.Fraction(1, 2)",
     "assert dec(1) == decimal.Decimal('0.125')",
-    "assert dq(4) == collections.deque([2, 3])", "assert next(count(5)) == 5", "assert next(late(7)) == 7",
+    "assert dq(4) == collections.deque([2, 3])", "assert list(it(5)) == [5, 5]", "assert late(7) is not None",
     "assert sum(gen(5)) == 10", "assert isinstance(mp(1), map)", "assert isinstance(fl(1), filter)",
-    "assert 2 in gen(3)", "assert max(mp(4)) == 6", "assert frac(2) + 1 == fractions.Fraction(4, 3)",
-    "assert dq(3).maxlen == 2", "assert any(x > 1 for x in gen(3))", "assert keys(2) & {1, 5} == {1}",
+    "assert 2 in list(gen(3))", "assert max(mp(4)) == 6", "assert frac(2) + 1 == fractions.Fraction(4, 3)",
+    "assert dq(3).maxlen == 2", "assert any([x > 1 for x in gen(3)])", "assert keys(2) & {1, 5} == {1}",
 ]  # fmt: skip
 # every assert fails in the plain harness, and must here: a lazy value is not the list it yields, a late exception
 # fails an assert that reaches it, a Fraction is not its float
@@ -155,15 +155,15 @@ def test_lazy_and_other_values_cross_the_wire_as_the_plain_harness_consumes_them
 
 def test_an_infinite_generator_is_cut_at_the_budget_quickly_and_fails_only_where_consumed_past_it():
     t0 = time.monotonic()
-    tests = ["assert list(count(0)) == []"] + [f"assert next(count({k})) == {k}" for k in range(3)]
-    got, detail = verdicts(LAZY, tests, IMPORTS)  # four drained values fit the values' bytes and element budgets
+    tests = ["assert list(count(0)) == []"] + [f"assert late({k}) is not None" for k in range(3)]
+    got, detail = verdicts(LAZY, tests, IMPORTS)  # (partial consumers such as next() are refused at load)
     assert got == (False, True, True, True) and time.monotonic() - t0 < 10, (got, detail)
     n = int(detail.split("cut after ")[1].split()[0])  # ints of ~12 bytes: the byte budget ends it first
     assert 0 < n <= BUDGETS["lazy_items"] and "\n" not in detail, detail
 
 
 def test_a_late_exception_fails_only_an_assert_that_reaches_it():
-    got, detail = verdicts(LAZY, ["assert list(late(1)) == [1]", "assert next(late(2)) == 2"], IMPORTS)
+    got, detail = verdicts(LAZY, ["assert list(late(1)) == [1]", "assert late(2) is not None"], IMPORTS)
     assert got == (False, True), got
     assert "raised ValueError: late after 1 items" in detail, detail
 

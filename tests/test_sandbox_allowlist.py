@@ -25,7 +25,9 @@ import json
 import platform
 
 import pytest
-from conftest import SANDBOX_BACKENDS, sandbox_limits_for
+from conftest import SANDBOX_BACKENDS
+from sandbox_helpers import SETTINGS, probed_once, rule_tables
+from sandbox_helpers import limits_for as setting_limits
 
 from tdlm.errors import TDLMError
 from tdlm.evaluation.sandbox import core, host, isolation_support, run_python
@@ -33,7 +35,6 @@ from tdlm.evaluation.sandbox import core, host, isolation_support, run_python
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64's")
 
 FAST = dict(timeout_s=30.0, cpu_s=10, output_bytes=200_000)
-SETTINGS = [(b, cg) for b in SANDBOX_BACKENDS for cg in ("cgroup", "nocgroup")]
 EPERM, ENOSYS = -errno.EPERM, -errno.ENOSYS
 # name: (x86_64 number, arguments); refused in every setting; the comment is what the call returns unfiltered
 NAMED = {
@@ -131,35 +132,21 @@ def probe(lim, sweep: list[int], named: dict = NAMED) -> dict:
 
 
 def limits_for(backend: str, cgroup: str):
-    if cgroup == "cgroup" and host.cgroups().kind is None:
-        pytest.skip(f"no writable cgroup here ({host.cgroups().note})")
-    return sandbox_limits_for(backend, **FAST, use_cgroups=cgroup == "cgroup")
-
-
-_probed: dict[tuple[str, str], dict] = {}
+    return setting_limits(backend, cgroup, **FAST)
 
 
 @pytest.fixture(params=SETTINGS, ids=[f"{b}-{cg}" for b, cg in SETTINGS])
 def probed(request) -> tuple[tuple[str, str], dict]:
     """(setting, what the probe saw there): one sandboxed run per setting, shared by the tests below."""
-    setting = request.param
-    if setting not in _probed:
-        _probed[setting] = probe(limits_for(*setting), sweep_numbers(setting[1] == "cgroup"))
-    return setting, _probed[setting]
+    b, cg = setting = request.param
+    return setting, probed_once(("allowlist", *setting),
+                                lambda: probe(limits_for(b, cg), sweep_numbers(cg == "cgroup")))  # fmt: skip
 
 
 @pytest.fixture
 def without_rules(monkeypatch):
     """``without_rules(NAME=value, ...)``: replace rule tables of the filter and rebuild it (restored after)."""
-
-    def weaken(**tables) -> None:
-        for k, v in tables.items():
-            monkeypatch.setattr(host, k, v)
-        host.seccomp_program.cache_clear()
-
-    yield weaken
-    monkeypatch.undo()
-    host.seccomp_program.cache_clear()
+    yield from rule_tables(monkeypatch)
 
 
 def test_named_calls_of_every_family_are_refused(probed):

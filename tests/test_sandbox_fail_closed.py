@@ -245,7 +245,7 @@ def spying(code, *a, **k):
     return real(code, *a, **k)
 
 core._execute = spying
-tests = (f"assert {spec['secret']!r} in f()",)
+tests = (f"assert f().count({spec['secret']!r}) > 0",)  # `in` on the value is refused at load: count reads it whole
 prob = lambda code, ref, t: Problem(task="mbpp", id="mbpp/fc", index=0, prompt="", answer=ref, tests=t)
 doc = lambda ref, t: {"task": "mbpp", "id": "mbpp/fc", "index": 0, "prompt": "", "answer": ref, "tests": list(t),
                       "test_imports": []}

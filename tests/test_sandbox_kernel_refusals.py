@@ -32,14 +32,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import SANDBOX_BACKENDS, sandbox_limits_for
+from conftest import SANDBOX_BACKENDS
+from sandbox_helpers import SETTINGS, probed_once, rule_tables
+from sandbox_helpers import limits_for as setting_limits
 
 from tdlm.evaluation.sandbox import backend_unavailable, core, host, isolation_support, run_python
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers are x86_64's")
 
 FAST = dict(timeout_s=20.0, cpu_s=5, output_bytes=100_000)
-SETTINGS = [(b, cg) for b in SANDBOX_BACKENDS for cg in ("cgroup", "nocgroup")]
 EAFNOSUPPORT, EPERM = errno.EAFNOSUPPORT, errno.EPERM
 # the families a sample may open, per setting (AF_UNIX 1, AF_INET 2, AF_INET6 10); every other number is refused
 ALLOWED = {("bwrap", "cgroup"): {1}, ("bwrap", "nocgroup"): set(), ("inhouse", "cgroup"): {1, 2, 10},
@@ -120,9 +121,7 @@ print(json.dumps({"families": families(__FAMILIES__), "calls": calls,
 
 
 def limits_for(backend: str, cgroup: str):
-    if cgroup == "cgroup" and host.cgroups().kind is None:
-        pytest.skip(f"no writable cgroup here ({host.cgroups().note})")
-    return sandbox_limits_for(backend, **FAST, use_cgroups=cgroup == "cgroup")
+    return setting_limits(backend, cgroup, **FAST)
 
 
 def run_probe(lim, weakened: tuple[str, ...] = ()) -> dict:
@@ -132,30 +131,17 @@ def run_probe(lim, weakened: tuple[str, ...] = ()) -> dict:
     return json.loads(r.stdout)
 
 
-_probed: dict[tuple[str, str], dict] = {}
-
-
 @pytest.fixture(params=SETTINGS, ids=[f"{b}-{cg}" for b, cg in SETTINGS])
 def probed(request) -> tuple[tuple[str, str], dict]:
     """(setting, what the probe saw there): one sandboxed run per setting, shared by the tests below."""
     setting = request.param
-    if setting not in _probed:
-        _probed[setting] = run_probe(limits_for(*setting))
-    return setting, _probed[setting]
+    return setting, probed_once(("kernel_refusals", *setting), lambda: run_probe(limits_for(*setting)))
 
 
 @pytest.fixture
 def without_rules(monkeypatch):
     """``without_rules(NAME=value, ...)``: replace rule tables of the filter and rebuild it (restored after)."""
-
-    def weaken(**tables) -> None:
-        for k, v in tables.items():
-            monkeypatch.setattr(host, k, v)
-        host.seccomp_program.cache_clear()
-
-    yield weaken
-    monkeypatch.undo()
-    host.seccomp_program.cache_clear()
+    yield from rule_tables(monkeypatch)
 
 
 def opened(results: list[int]) -> bool:

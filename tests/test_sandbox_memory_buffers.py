@@ -29,14 +29,15 @@ import sys
 from dataclasses import replace
 
 import pytest
-from conftest import SANDBOX_BACKENDS, sandbox_limits_for
+from conftest import SANDBOX_BACKENDS
+from sandbox_helpers import SETTINGS, rule_tables
+from sandbox_helpers import limits_for as setting_limits
 
 from tdlm.evaluation.sandbox import core, host, isolation_support, run_python
 
 MEM = 32 << 20  # the sample's memory_bytes: small, so 3x is cheap on a shared machine
 TARGET = 3 * MEM
 FAST = dict(timeout_s=20.0, cpu_s=5, memory_bytes=MEM)
-SETTINGS = [(b, cg) for b in SANDBOX_BACKENDS for cg in ("cgroup", "nocgroup")]
 
 COMMON = """
 import ctypes, fcntl, os, socket, struct, time
@@ -207,9 +208,7 @@ def held(r) -> int:
 
 
 def limits_for(backend: str, cgroup: str):
-    if cgroup == "cgroup" and host.cgroups().kind is None:
-        pytest.skip(f"no writable cgroup here ({host.cgroups().note})")
-    return sandbox_limits_for(backend, **FAST, use_cgroups=cgroup == "cgroup")
+    return setting_limits(backend, cgroup, **FAST)
 
 
 def run_probe(name: str, lim, target: int = TARGET, allow_weak: bool = False):
@@ -228,15 +227,7 @@ def assert_contained(name: str, r, lim) -> None:
 def without_rules(monkeypatch):
     """The private hook of the controls: ``without_rules(NAME=value, ...)`` replaces rule tables of the filter and
     rebuilds it; the real tables and program are back after the test."""
-
-    def weaken(**tables) -> None:
-        for k, v in tables.items():
-            monkeypatch.setattr(host, k, v)
-        host.seccomp_program.cache_clear()
-
-    yield weaken
-    monkeypatch.undo()
-    host.seccomp_program.cache_clear()
+    yield from rule_tables(monkeypatch)
 
 
 # ------------------------------------------------------------------------------------------ item 2: TCP / UDP

@@ -26,10 +26,12 @@ refuses, naming the problem and the assert, any assert the grammar cannot split 
 reference's, so a shape that would hand the comparison to the sample, or run the candidate's code in another order
 or number than Python, is an error before anything is decoded; so is a check that draws a lazy value partially
 (``next``, ``any``, ``in`` ...) or may mutate the value (``pop``, ``heapq.heappop`` ...), which the sandbox, holding
-a copy sent back once, cannot judge as Python does (:func:`check_problem`). All 776 shipped asserts split and
-load. pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` / ``os._exit(0)`` sends no
-values, so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this way
-(tests/test_sandbox_hostile.py).
+a copy sent back once, cannot judge as Python does (:func:`judged_plan`: the one rule of loading and of the
+sandbox's split, so nothing accepted here is refused at scoring), and a task whose ``test_imports`` or reference
+import a module outside the standard library (the sandbox runs Python without site-packages). All 776 shipped
+asserts split and load. pass@1 means every assert held and the program exited 0 (an early ``sys.exit(0)`` /
+``os._exit(0)`` sends no values, so it fails, as in the anchors' harnesses). All 257 canonical solutions pass this
+way (tests/test_sandbox_hostile.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import ast
 import builtins
 import os
 import symtable
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,7 +150,21 @@ def imported_names(test_imports: Sequence[str]) -> frozenset[str]:
                 if a.name == "*":
                     raise TDLMError(f"test_imports: {line!r} is a star import, expected the names spelled out")
                 out.add(a.asname or a.name.split(".")[0])
+        _stdlib_only(tree, f"test_imports: {line!r}")
     return frozenset(out)
+
+
+def _stdlib_only(tree: ast.AST, where: str) -> None:
+    """TDLMError naming ``where`` for an import of a module outside the standard library (numpy ...): the sample and
+    the trusted side run ``python -I -S`` in a root without site-packages, so such a value never comes back and such
+    a check never runs, where the plain harness would judge both (refused at load)."""
+    for n in ast.walk(tree):
+        mods = [a.name for a in n.names] if isinstance(n, ast.Import) else (
+            [n.module] if isinstance(n, ast.ImportFrom) and n.module and not n.level else [])  # fmt: skip
+        for m in mods:
+            if m.split(".")[0] not in sys.stdlib_module_names:
+                raise TDLMError(f"{where} imports {m!r}, which is not in the standard library: the sandbox runs "
+                                "Python without site-packages (refused at load)")  # fmt: skip
 
 
 def reference_names(code: str) -> frozenset[str]:
@@ -357,7 +374,8 @@ _READ_ONLY_METHODS = frozenset("""
     isidentifier isprintable isascii title capitalize casefold swapcase center ljust rjust zfill partition rpartition
     format encode decode hex expandtabs translate removeprefix removesuffix issubset issuperset isdisjoint union
     intersection difference symmetric_difference most_common elements total bit_length bit_count conjugate is_integer
-    as_integer_ratio to_bytes isoformat weekday isoweekday date time timestamp
+    as_integer_ratio to_bytes isoformat weekday isoweekday date time timestamp utcoffset tzname dst total_seconds
+    isocalendar strftime timetuple utctimetuple toordinal ctime astimezone timetz _asdict _replace
 """.split())  # fmt: skip
 
 
@@ -458,6 +476,16 @@ def plan_assert(test: str, imported: frozenset[str], names: frozenset[str] | Non
     return AssertPlan(test, tuple(sp.calls), ast.unparse(check))
 
 
+def judged_plan(test: str, imported: frozenset[str], names: frozenset[str] | None, where: str = "test") -> AssertPlan:
+    """:func:`plan_assert`, then refused (TDLMError naming ``where``) where the check uses the candidate's value in
+    a way the sandbox cannot judge as Python does (:func:`_check_consumers`: a lazy value drawn partially, a value
+    the check mutates). The one rule of both paths: loading (:func:`check_problem`) and scoring
+    (:func:`tdlm.evaluation.sandbox.split_asserts`, so ``run_python`` too)."""
+    plan = plan_assert(test, imported, names, where=where)
+    _check_consumers(ast.parse(plan.check, mode="eval"), where, test)
+    return plan
+
+
 def _source(c: CandidateCall) -> str:
     return ".".join((c.root, *c.attrs)) + ("(...)" if c.args is not None else "")
 
@@ -468,11 +496,12 @@ def check_problem(problem: Problem) -> tuple[AssertPlan, ...]:
     the candidate's value in a way the sandbox cannot judge as Python does (:func:`_check_consumers`: a lazy value
     drawn partially, a value the check mutates)."""
     names = reference_names(problem.answer)
-    imported = imported_names(problem.test_imports)
-    plans = []
-    for k, test in enumerate(problem.tests):
-        where = f"{problem.id} test {k + 1}"
-        plan = plan_assert(test, imported, names, where=where)
-        _check_consumers(ast.parse(plan.check, mode="eval"), where, test)
-        plans.append(plan)
-    return tuple(plans)
+    try:
+        imported = imported_names(problem.test_imports)
+        with warnings.catch_warnings():  # it parsed in reference_names; its invalid escapes are not this check's
+            warnings.simplefilter("ignore")
+            _stdlib_only(ast.parse(problem.answer), "the reference solution")
+    except TDLMError as e:
+        raise TDLMError(f"{problem.id}: {e}") from e
+    return tuple(judged_plan(test, imported, names, where=f"{problem.id} test {k + 1}")
+                 for k, test in enumerate(problem.tests))  # fmt: skip

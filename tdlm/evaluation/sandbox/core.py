@@ -24,7 +24,8 @@ from . import host, verify
 from .files import fd_with, read_capped, read_nonblocking, read_text, rmtree
 from .interpreter import NOBODY, can_drop_to_nobody, default_python
 from .launcher import LAUNCHER
-from .verdict import DRIVER, excerpt, judge, sample_ops, split_asserts
+from .sample import DRIVER
+from .verdict import excerpt, judge, sample_ops, split_asserts
 
 Status = Literal["passed", "failed", "timeout", "error"]
 Backend = Literal["auto", "bwrap", "inhouse"]

@@ -22,20 +22,7 @@ come back and evaluates the rest, under budgets.
   ``test_imports`` modules. Any failure there fails the sample with one line; nothing raises into the caller,
   and the evaluator's own process never parses the sample's values.
 
-Sample side: :data:`DRIVER` runs as ``python -I -S -B -c DRIVER`` inside the sandbox. It reads ``main.py`` and the
-calls from an inherited file, runs the program as module ``__main__``, then for each assert's sent call evaluates
-it in Python's order: the root looked up in the program's globals only (a missing name is a NameError: a builtin
-never answers for the candidate), the attributes, then each argument left to right (a call of the candidate's
-among them evaluated there, its object passed on as Python would), then the call. It writes ``[index, "ok",
-value]`` / ``[index, "err", "Type: message"]`` lines; then ``os._exit(0)``. Its serialiser sends the builtin types
-(numbers, str, bytes, bool, None, list/tuple/dict/set/frozenset); an instance of a subclass of one of them (a
-``Counter``, a ``namedtuple``) goes as the base type's value, so no overridden ``__eq__`` travels. Dict views,
-``range``, ``bytearray``, ``Fraction``, ``Decimal`` and ``deque`` go tagged and come back as the same type. A lazy
-iterator (a generator, ``map``, ``filter``, any iterator) that is the whole value is drained right after its call
-- the last thing its assert runs in the sample, so nothing of the candidate's runs between - up to the drain
-budget (:data:`.trusted.BUDGETS` ``lazy_items`` / ``lazy_bytes``), and is replayed on the trusted side as an
-iterator of the same kind ending the same way (exhausted, the exception it raised, or cut at the budget); an
-iterator inside a container fails. Anything else fails. The decoder trusts nothing the encoder claims.
+Sample side: :data:`.sample.DRIVER` (the harness the sandboxed process runs; re-exported here).
 """
 
 from __future__ import annotations
@@ -52,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tdlm.errors import TDLMError
-from tdlm.tasks.mbpp import AssertPlan, imported_names, plan_assert
+from tdlm.tasks.mbpp import AssertPlan, imported_names, judged_plan
 
+from .sample import DRIVER as DRIVER  # noqa: F401 - re-exported: the wire tests import it from here
 from .trusted import BUDGETS, TRUSTED_FILE, import_env
-from .verify import SOURCE as VERIFY_SOURCE
 
 TRUSTED_TIMEOUT_S = 20.0  # wall clock of one trusted child (CPU-bounded by RLIMIT_CPU; this is for a stalled one)
 _PLAIN = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
@@ -117,7 +104,7 @@ def _split_cached(tests: tuple[str, ...], test_imports: tuple[str, ...], names: 
     out = []
     for i, test in enumerate(tests):
         where = f"test {i + 1}"
-        plan = plan_assert(test, imported, names, where=where)
+        plan = judged_plan(test, imported, names, where=where)
         ops = []
         for c in plan.calls:
             call = None
@@ -297,206 +284,3 @@ def excerpt(text: str, n: int = 160) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     s = ascii(lines[-1])[1:-1] if lines else ""
     return s if len(s) <= n else s[: n - 3] + "..."
-
-
-# The sample-side harness (runs in the sandbox as `python -I -S -B -c DRIVER <json>`, stdlib only). Its values are
-# only trusted as *values*: whatever it does to itself, it can only report plain data back.
-DRIVER = VERIFY_SOURCE + r"""
-
-def _tdlm_driver():
-    import _collections_abc, marshal, os, sys, types
-    payload_fd, out, *verify_fd = (int(x) for x in sys.argv[1].split(","))
-    chunks = []
-    while True:
-        c = os.read(payload_fd, 1 << 20)
-        if not c:
-            break
-        chunks.append(c)
-    os.close(payload_fd)
-    program, calls, *expect = marshal.loads(b"".join(chunks))  # written by the trusted side
-    del chunks
-    # What holds, seen from here - after the namespaces, root, rlimits, uid drop and seccomp, before the candidate's
-    # code (tdlm/evaluation/sandbox/verify.py). The line is written and its pipe closed first: the candidate can
-    # neither write nor rewrite it. A required guarantee not held, or a report that cannot be sent: never run it.
-    # (The evaluator always sends both; the driver alone, as the wire tests run it, reports nothing - and a run
-    # that reports nothing is never scored.)
-    if expect:
-        expect = expect[0]
-        facts = sandbox_facts(expect)
-        try:
-            os.write(verify_fd[0], (repr(facts) + "\n").encode())
-            os.close(verify_fd[0])
-        except (OSError, IndexError):
-            os._exit(125)
-        held = guarantees_held(facts, expect)
-        missing = [k for k in expect["require"] if not held.get(k)]
-        if missing:
-            os.write(2, ("sandbox: not held inside the sample's process: " + ", ".join(missing) + "\n").encode())
-            os._exit(125)
-        del facts, held
-    del expect, verify_fd
-    path = os.path.abspath("main.py")  # cwd: /tmp of the new root (weak mode: an empty host directory)
-    try:
-        with open(path, "w", encoding="utf-8") as f:  # for tracebacks / inspect; the run does not read it back
-            f.write(program)
-    except OSError:
-        pass
-    main = types.ModuleType("__main__")
-    main.__file__ = path
-    main.__builtins__ = __builtins__
-    sys.modules["__main__"] = main
-    sys.argv[:] = ["main.py"]
-    code = compile(program, path, "exec", dont_inherit=True)
-    if calls is None:
-        del program
-        exec(code, main.__dict__)
-        return
-    del program
-    try:  # the C string escaper of the json package, without importing json (its import costs ~30 ms)
-        from _json import encode_basestring_ascii as quote
-    except ImportError:
-        def quote(s):
-            out = []
-            for ch in s:
-                n = ord(ch)
-                if 0x20 <= n < 0x7F and ch not in '"\\':
-                    out.append(ch)
-                elif n < 0x10000:
-                    out.append("\\u%04x" % n)
-                else:
-                    out.append("\\u%04x\\u%04x" % (0xD7C0 + (n >> 10), 0xDC00 + (n & 0x3FF)))
-            return '"' + "".join(out) + '"'
-    write, _hex, _isinstance, _str, _next, _iter = os.write, float.hex, isinstance, str, next, iter
-    mods = sys.modules
-    # Exact builtins, and instances of their subclasses as the base type's value (a Counter as a dict, a namedtuple
-    # as a tuple): equality with a builtin expected value is unchanged, and no overridden method travels.
-    SEQ = ((list, "l"), (tuple, "t"), (set, "s"), (frozenset, "z"))
-    VIEWS = ((type({}.keys()), "vk"), (type({}.values()), "vv"))
-    ITEMS = type({}.items())
-    ITER = _collections_abc.Iterator
-    LAZY_ITEMS, LAZY_BYTES = @LAZY_ITEMS@, @LAZY_BYTES@
-
-    def hexint(n):
-        return '"%s"' % int.__format__(int(n), "x")
-
-    def enc(v, depth):
-        if v is None:
-            return "null"
-        if v is True or v is False:
-            return "true" if v else "false"
-        if depth > 64:
-            raise ValueError("nested deeper than 64")
-        if _isinstance(v, int):
-            return '["i","%s"]' % int.__format__(int(v), "x")
-        if _isinstance(v, float):
-            return '["f","%s"]' % _hex(float(v))
-        if _isinstance(v, complex):
-            return '["c","%s","%s"]' % (_hex(complex(v).real), _hex(complex(v).imag))
-        if _isinstance(v, str):
-            return quote(_str.__str__(v))
-        if _isinstance(v, bytes):
-            return '["b","%s"]' % bytes(v).hex()
-        if _isinstance(v, dict):
-            return '["d",[%s]]' % ",".join('["t",[%s,%s]]' % (enc(k, depth + 2), enc(x, depth + 2))
-                                           for k, x in dict.items(v))
-        for t, tag in SEQ:
-            if _isinstance(v, t):
-                return '["%s",[%s]]' % (tag, ",".join(enc(x, depth + 1) for x in t.__iter__(v)))
-        return other(v, depth)
-
-    def other(v, depth):
-        # values a builtin above cannot hold, rebuilt as the same type by the trusted side
-        for t, tag in VIEWS:
-            if _isinstance(v, t):
-                return '["%s",[%s]]' % (tag, ",".join(enc(x, depth + 1) for x in v))
-        if _isinstance(v, ITEMS):
-            return '["vi",[%s]]' % ",".join('["t",[%s,%s]]' % (enc(k, depth + 2), enc(x, depth + 2)) for k, x in v)
-        if _isinstance(v, range):
-            return '["r",%s,%s,%s]' % (hexint(v.start), hexint(v.stop), hexint(v.step))
-        if _isinstance(v, bytearray):
-            return '["ba","%s"]' % bytes(v).hex()
-        m = mods.get("fractions")
-        if m is not None and _isinstance(v, m.Fraction):
-            return '["q",%s,%s]' % (hexint(v.numerator), hexint(v.denominator))
-        m = mods.get("decimal")
-        if m is not None and _isinstance(v, m.Decimal):
-            return '["D",%s]' % quote(m.Decimal.__str__(v))
-        m = mods.get("collections")
-        if m is not None and _isinstance(v, m.deque):
-            n = v.maxlen
-            return '["dq",[%s],%s]' % (",".join(enc(x, depth + 1) for x in m.deque.__iter__(v)),
-                                       "null" if n is None else hexint(n))
-        if depth == 0 and _isinstance(v, ITER):
-            return drain(v)
-        raise TypeError("unsupported type " + type(v).__name__ + (" (a lazy iterator inside a container)"
-                                                                   if _isinstance(v, ITER) else ""))
-
-    def drain(v):
-        # A lazy value, as the assert would consume it: its items now (the call was the assert's last step in the
-        # sample), up to the budget, and how it ended: exhausted, an exception, or cut at the budget.
-        kind = ("generator" if _isinstance(v, types.GeneratorType) else "map" if _isinstance(v, map)
-                else "filter" if _isinstance(v, filter) else "iterator")
-        parts, size, end, why = [], 0, "end", ""
-        it = _iter(v)
-        while True:
-            try:
-                x = _next(it)
-            except StopIteration:
-                break
-            except BaseException as e:
-                end, why = "err", (type(e).__name__ + ": " + str(e))[:200]
-                break
-            if len(parts) >= LAZY_ITEMS or size >= LAZY_BYTES:
-                end = "cut"
-                break
-            parts.append(enc(x, 1))
-            size += len(parts[-1])
-        return '["it",%s,[%s],%s,%s]' % (quote(kind), ",".join(parts), quote(end), quote(why))
-
-    exec(code, main.__dict__)
-    g = main.__dict__
-    nested = {x for op in calls if op[2] is not None
-              for x in [x for k, x in op[2][0] if k == "r"] + [x for _, k, x in op[2][1] if k == "r"]}
-
-    def run(i):
-        # Python's order: the callable (its name in the program's globals, then the attributes), then each
-        # argument left to right, a call of the candidate's evaluated there, on the object Python would pass
-        root, attrs, call, sent = calls[i]
-        if root not in g:  # the program's globals only: a builtin never answers for the candidate
-            raise NameError("name %r is not defined" % root)
-        obj = g[root]
-        for a in attrs:
-            obj = getattr(obj, a)
-        if call is None:
-            return obj
-        args, kwargs = [], {}
-        for kind, x in call[0]:
-            if kind == "s":
-                args.extend(x)
-            else:
-                args.append(run(x) if kind == "r" else x)
-        for name, kind, x in call[1]:
-            if kind == "d":
-                kwargs.update(x)
-            else:
-                kwargs[name] = run(x) if kind == "r" else x
-        return obj(*args, **kwargs)
-
-    for i in range(len(calls)):
-        if i in nested or not calls[i][3]:  # an argument of a later call: evaluated there, in Python's order
-            continue
-        try:
-            rec = '[%d,"ok",%s]' % (i, enc(run(i), 0))
-        except BaseException as e:  # SystemExit / KeyboardInterrupt too: the value is missing, the run goes on
-            rec = '[%d,"err",%s]' % (i, quote((type(e).__name__ + ": " + str(e))[:200]))
-        write(out, (rec + "\n").encode())
-    for stream in (sys.stdout, sys.stderr):  # os._exit skips the interpreter's own flush
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(0)
-
-_tdlm_driver()
-""".replace("@LAZY_ITEMS@", str(BUDGETS["lazy_items"])).replace("@LAZY_BYTES@", str(BUDGETS["lazy_bytes"]))
-

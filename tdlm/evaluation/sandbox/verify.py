@@ -3,7 +3,7 @@
 The guarantees a run reports are never taken from a backend's name or from what the launcher asked for: a ``bwrap``
 that isolates nothing would be reported as full isolation. Instead the sample's own process - after the launcher and
 the backend built the namespaces, the new root, the rlimits, the uid drop, ``no_new_privs`` and the seccomp filter,
-right before the candidate's code - runs :func:`sandbox_facts` (inside :data:`.verdict.DRIVER`, no extra process)
+right before the candidate's code - runs :func:`sandbox_facts` (inside :data:`.sample.DRIVER`, no extra process)
 and writes what it found as one ``repr`` line on a pipe of its own, which it closes before the candidate runs (the
 candidate cannot write or rewrite that line). Both sides then apply :func:`guarantees_held` to those facts and the
 evaluator's :func:`expectations`: the sample's process refuses to run the candidate when a required guarantee does
