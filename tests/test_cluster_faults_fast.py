@@ -1,7 +1,7 @@
 """Fault paths of the Ray drivers that only the slow three-node test (tests/test_ray_cluster.py) reaches, in seconds
 and without Ray: the head watch (:class:`tdlm.data.ray_watch.ClusterWatch`) against a socket this test opens and
-closes, and the evaluation driver's worker-loss bookkeeping (:func:`tdlm.evaluation.driver.run_on_ray`) against a
-fake ``ray`` module whose actors die when the test says.
+closes, and the evaluation driver's worker loss (:func:`tdlm.evaluation.driver.run_on_ray` on the actor pool,
+:class:`tdlm.data.ray_pool.ActorPool`) against a fake ``ray`` module whose actors die when the test says.
 
 * the watch fires once the head has been silent for ``timeout_s`` (a port nothing listens on), not before, and a head
   that answers again before then starts the silence over; a dead-node read that never returns (a GCS killed during

@@ -257,7 +257,7 @@ def test_storage_is_checked_in_one_line_before_anything_is_loaded(tmp_path):
 def test_comparison_runs_sharing_a_group_get_distinct_names():
     """Evaluations that share a user-given group (a sweep's trials, ``--group table1`` across backbones) must not
     share the comparison run's name; the default group is one per output folder already."""
-    from tdlm.evaluation.driver import comparison_name
+    from tdlm.evaluation.summaries import comparison_name
 
     a = EvalConfig(backbone="b", output_dir="runs/sweep/eval/baselines", group="tiny-table4")
     b = EvalConfig(backbone="b", output_dir="runs/sweep/eval/layers-0-1", group="tiny-table4")

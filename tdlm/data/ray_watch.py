@@ -1,4 +1,5 @@
-"""The Ray head and node liveness that the generation and evaluation drivers check between results.
+"""The Ray head and node liveness that the actor pool (:mod:`tdlm.data.ray_pool`) of the generation and evaluation
+drivers checks between results.
 
 Why the drivers check themselves: an actor on a node that died may be held by Ray in RESTARTING with its work waiting
 for a restart that no node has room for (the survivors' CPUs are held by our other actors), and a driver whose head

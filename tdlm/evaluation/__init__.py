@@ -7,7 +7,8 @@ paper's Table 1 / 2 / 4 shaped Markdown tables and the Figure 1 Pareto plot. Ent
 
 Modules: :mod:`~tdlm.evaluation.config` (schema + grid), :mod:`~tdlm.evaluation.records` (shard files,
 resume, completeness), :mod:`~tdlm.evaluation.worker` (a backbone replica), :mod:`~tdlm.evaluation.driver`
-(the job), :mod:`~tdlm.evaluation.metrics`, :mod:`~tdlm.evaluation.report`, :mod:`~tdlm.evaluation.plot`.
+(the job; its Ray actors run on :class:`tdlm.data.ray_pool.ActorPool`), :mod:`~tdlm.evaluation.summaries` (per-run
+summaries and W&B runs), :mod:`~tdlm.evaluation.metrics`, :mod:`~tdlm.evaluation.report`, :mod:`~tdlm.evaluation.plot`.
 """
 
 from tdlm.evaluation.config import EvalConfig, RunSpec, expand

@@ -8,19 +8,21 @@ Recipe of :func:`evaluate`:
 3. decode: W = 1 runs one :class:`EvalWorker` in this process (no Ray); W > 1 starts W Ray actors, one per
    GPU (``num_gpus=1``) or CPU actors (``num_cpus=threads``). Actor w decodes shard w of every run, each
    appending its own file. Ray restarts a dead actor and retries its shard (``max_restarts`` /
-   ``max_task_retries``); once those are spent the driver replaces the actor and resubmits (bounded by
-   ``max_shard_attempts``). A retry skips the samples its shard file already holds. Workers write the
-   shard files themselves, so on a multi-node cluster ``output_dir`` (and the checkpoint / adapters) must
-   be on storage every node shares; a node-local dir shows up as missing samples at the merge;
-   The whole job holds ``<output_dir>/.lock`` (:class:`tdlm.data.folder_lock.FolderLock`): one evaluation per
-   output folder, a second one is refused at once naming the holder, a dead holder's lock is taken over;
+   ``max_task_retries``); once those are spent (or its node is reported dead) the actor pool
+   (:class:`tdlm.data.ray_pool.ActorPool`) moves its jobs to a live actor in the plan's order (bounded by
+   ``max_shard_attempts``), and starts a new one only when none is left. A retry skips the samples its shard
+   file already holds. Workers write the shard files themselves, so on a multi-node cluster ``output_dir``
+   (and the checkpoint / adapters) must be on storage every node shares; a node-local dir shows up as missing
+   samples at the merge. The whole job holds ``<output_dir>/.lock`` (:class:`tdlm.data.folder_lock.FolderLock`):
+   one evaluation per output folder, a second one is refused at once naming the holder, a dead holder's lock is
+   taken over;
 4. merge each run's shards and check every problem appears exactly once; score with
    :class:`tdlm.evaluation.scoring.Scorer` here in the driver, after decoding, so scoring never competes with the
    timed decodes for CPU (Math-Verify runs in the Scorer's processes' main threads, code in the sandbox);
    scores of unchanged generations are reused from the previous ``samples.jsonl``;
 5. metrics and speedups (:mod:`tdlm.evaluation.metrics`); per run ``samples.jsonl`` + ``summary.json`` + a
-   W&B run (group = the comparison); for the job ``summary.json``, ``table.md`` and ``pareto_<task>.png``,
-   plus a W&B comparison run with the tables and plots.
+   W&B run (group = the comparison; :mod:`tdlm.evaluation.summaries`); for the job ``summary.json``,
+   ``table.md`` and ``pareto_<task>.png``, plus a W&B comparison run with the tables and plots.
 
 Output layout::
 
@@ -30,8 +32,6 @@ Output layout::
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging
 import os
@@ -44,44 +44,37 @@ from pathlib import Path
 
 import torch
 
+from tdlm.data import ray_pool
 from tdlm.data.folder_lock import FolderLock
-from tdlm.data.ray_watch import ClusterWatch, HeadLost, head_lost  # noqa: F401 - re-exported
+from tdlm.data.ray_pool import ActorPool, Loss, NodeNamed, PoolJob
+from tdlm.data.ray_watch import HeadLost, head_lost  # noqa: F401 - re-exported
 from tdlm.data.store import atomic_write_text
 from tdlm.data.trajectories import write_error
 from tdlm.errors import TDLMError
 from tdlm.evaluation.config import (
     EvalConfig,
-    RunSpec,
     adapter_fingerprint,
     backbone_fingerprint,
     expand,
     read_adapter_config,
 )
-from tdlm.evaluation.metrics import aggregate, compute_speedups
-from tdlm.evaluation.paired import attach_paired, wandb_metrics
+from tdlm.evaluation.metrics import compute_speedups
+from tdlm.evaluation.paired import attach_paired
 from tdlm.evaluation.paired import settings as paired_settings
 from tdlm.evaluation.plot import plot_all
 from tdlm.evaluation.records import done_ids, merge, read_records, shard_of
-from tdlm.evaluation.report import method_label, render
+from tdlm.evaluation.report import render
+from tdlm.evaluation.summaries import SUMMARY, Plan, log_comparison, log_run, run_summary
 from tdlm.evaluation.worker import EvalWorker, ShardJob, WorkerSpec
-from tdlm.tasks import Task, load_task
+from tdlm.tasks import load_task
 
 log = logging.getLogger("tdlm.evaluation")
 
 RUN_IDENTITY = "run.json"
 SAMPLES = "samples.jsonl"
-SUMMARY = "summary.json"
 IDENTITY_VERSION = 1
 # Only small records travel through Ray (the workers write their own files), so a small store does.
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2
-
-
-@dataclass
-class Plan:
-    spec: RunSpec
-    run_dir: Path
-    task: Task
-    identity: dict
 
 
 @dataclass
@@ -256,30 +249,11 @@ def run_in_process(cfg: EvalConfig, jobs: list[ShardJob]) -> None:
 
 def _connect_ray(address: str | None) -> bool:
     """Connect to ``address`` / RAY_ADDRESS or start a fresh local cluster; True if this call initialised Ray."""
-    import ray
-
-    if ray.is_initialized():  # the caller (a test, a notebook) owns the connection
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-    else:  # address="local": never attach to a `ray start` cluster by accident
-        ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                 logging_level=logging.WARNING)  # fmt: skip
-    return True
+    return ray_pool.connect_ray(address, LOCAL_OBJECT_STORE_BYTES)
 
 
-def _cause(e: BaseException) -> BaseException:
-    return getattr(e, "cause", None) or e
-
-
-class _RayWorker(EvalWorker):
-    """The Ray actor: an :class:`EvalWorker` that also names its node (the driver moves the jobs of a dead one)."""
-
-    def info(self) -> dict:
-        import ray
-
-        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+class _RayWorker(NodeNamed, EvalWorker):
+    """The Ray actor: an :class:`EvalWorker` that also names its node (the pool moves the jobs of a dead one)."""
 
 
 def worker_launcher(cfg: EvalConfig, num_shards: int) -> tuple[dict, Callable[[], object]]:
@@ -301,11 +275,8 @@ def worker_launcher(cfg: EvalConfig, num_shards: int) -> tuple[dict, Callable[[]
     # device None: each actor places itself on what Ray gave it (worker.resolve_device: cuda:0 of its own
     # CUDA_VISIBLE_DEVICES with num_gpus=1, else cpu); --device names the in-process worker's device only.
     spec = worker_spec(cfg, None, None if gpus else threads)
-    # SPREAD: workers on as many nodes as fit, so a lost node takes as few of them as possible with it.
-    remote = ray.remote(_RayWorker).options(**opts, max_restarts=cfg.max_restarts,
-                                            max_task_retries=cfg.max_task_retries,
-                                            scheduling_strategy="SPREAD")  # fmt: skip
-    return opts, lambda: remote.remote(spec)
+    return opts, ray_pool.actor_launcher(_RayWorker, spec, opts, max_restarts=cfg.max_restarts,
+                                         max_task_retries=cfg.max_task_retries)  # fmt: skip
 
 
 IN_FLIGHT = 2  # jobs submitted ahead per actor: it never waits for the driver, and a lost driver leaves little queued
@@ -315,122 +286,66 @@ IN_FLIGHT = 2  # jobs submitted ahead per actor: it never waits for the driver, 
 HOLD_ENV = "TDLM_EVAL_TEST_HOLD"
 
 
+class _ShardPool(ActorPool):
+    """The evaluation on the pool: a job is one batch of one run's shard, homed to the worker of its shard (one writer
+    per shard file); the worker appends the samples itself, the driver only counts them. Only when no worker is left
+    is a lost one replaced (the cluster may have no room for it); a task error stops the evaluation."""
+
+    noun = "worker"
+
+    def __init__(self, cfg: EvalConfig, launch: Callable[[], object], slots: list[int], num_shards: int,
+                 bar) -> None:  # fmt: skip
+        super().__init__(launch, slots, log=log, max_attempts=cfg.max_shard_attempts,
+                         max_replacements=cfg.max_shard_attempts * max(1, num_shards),
+                         head_timeout_s=cfg.head_timeout_s, in_flight=IN_FLIGHT, keep_size=False,
+                         hold=os.environ.get(HOLD_ENV))  # fmt: skip
+        self.cfg, self.bar = cfg, bar
+
+    def ready(self, slot: int, info: dict) -> None:
+        log.info("worker %d up: pid %s on %s (%s %s, CUDA_VISIBLE_DEVICES=%s, node %s)", slot, info["pid"],
+                 info["host"], info["device"], info["device_name"], info["cuda_visible_devices"],
+                 info["node_id"][:12])  # fmt: skip
+
+    def kept(self) -> str:
+        left = sum(len(job.payload.problems) for job in self.queued())  # type: ignore[attr-defined]
+        return f"{left} sample(s) of this call not submitted; finished samples are kept in {self.cfg.output_dir}"
+
+    def task_failed(self, job: PoolJob, slot: int, msg: str, cause: BaseException) -> None:
+        shard: ShardJob = job.payload  # type: ignore[assignment]
+        raise TDLMError(f"{shard.run_dir} shard {shard.shard}: {msg}")  # tdlm code raised: not worth a retry
+
+    def gave_up(self, job: PoolJob, slot: int, loss: Loss) -> None:
+        shard: ShardJob = job.payload  # type: ignore[assignment]
+        raise TDLMError(f"{shard.run_dir} shard {shard.shard}: workers died on all {job.attempts} attempts")
+
+    def done(self, job: PoolJob, value) -> None:
+        self.bar.update(value.computed)
+
+
 def run_on_ray(cfg: EvalConfig, jobs: list[ShardJob], num_shards: int) -> None:
-    """One actor per shard with work; each runs its shard's jobs in order (at most ``IN_FLIGHT`` submitted ahead).
+    """One actor per shard with work; each runs its shard's jobs in the plan's order (at most ``IN_FLIGHT`` submitted
+    ahead), on :class:`tdlm.data.ray_pool.ActorPool`.
 
     An actor that is gone for good (Ray's restarts spent, or its node dead) is killed and its remaining jobs move, in
-    order, to the live actor with the least work left: any actor may append to any shard file, and one actor runs one
-    job at a time, so each file keeps one writer. Only when no actor is left is a new one started (the cluster may
-    have no room for it). The head is watched (:class:`ClusterWatch`): once it is lost the job stops in one line.
+    the plan's order, to the live actor with the least work left: any actor may append to any shard file, and one actor
+    runs one job at a time, so each file keeps one writer. Only when no actor is left is a new one started (the cluster
+    may have no room for it). The head is watched: once it is lost the job stops in one line.
     """
     import ray
-    from ray.exceptions import RayActorError, RayError, RayTaskError
 
     started = _connect_ray(cfg.ray_address)
-    actors: dict[int, object] = {}
-    watch: ClusterWatch | None = None
+    pool: _ShardPool | None = None
     try:
-        watch = ClusterWatch(cfg.head_timeout_s)
         opts, launch = worker_launcher(cfg, num_shards)
-        queues: dict[int, collections.deque[ShardJob]] = collections.defaultdict(collections.deque)
-        for job in jobs:
-            queues[job.shard].append(job)
-        pending: dict[object, tuple[str, int, ShardJob | None]] = {}  # ref -> (kind, actor slot, job)
-        up: set[int] = set()  # slots whose actor answered info()
-        node_of: dict[int, str] = {}
-        attempts: collections.Counter[tuple[str, int, str]] = collections.Counter()
-        replacements = 0
-        position = {id(job): i for i, job in enumerate(jobs)}  # moved jobs keep the plan's order
-
-        def start(w: int) -> None:
-            actors[w] = launch()
-            pending[actors[w].info.remote()] = ("ready", w, None)
-
-        for w in list(queues):
-            start(w)
-        log.info("starting %d Ray actor(s) of %s (%s each)", len(actors), cfg.backbone, opts)
-        hold = os.environ.get(HOLD_ENV)
-        if hold:
-            log.warning("TEST HOLD ACTIVE: no job is submitted while %s exists", hold)
-
-        def lose(w: int, why: str) -> None:
-            """Actor w is gone: kill it for good and hand its unfinished jobs (in flight and queued, in the plan's
-            order) to a live actor; only when none is left, to a new one in slot w."""
-            nonlocal replacements
-            with contextlib.suppress(Exception):
-                ray.kill(actors[w], no_restart=True)
-            mine = [job for ref, (kind, slot, job) in list(pending.items()) if slot == w and job is not None]
-            for ref in [ref for ref, (_, slot, _) in pending.items() if slot == w]:
-                del pending[ref]
-            rest = sorted([*mine, *queues.pop(w, ())], key=lambda job: position[id(job)])
-            up.discard(w)
-            actors.pop(w, None)
-            node_of.pop(w, None)  # a new actor in slot w is not on the dead node (else it would be lost at once)
-            live = [v for v in actors if v in up]
-            if not live:  # nobody left: a new actor (it waits for room on the cluster)
-                replacements += 1
-                if replacements > cfg.max_shard_attempts * max(1, num_shards):
-                    raise TDLMError(f"workers keep dying ({replacements} replaced); last: worker {w} {why}")
-                log.warning("worker %d is gone (%s) and no worker is left; starting a new one", w, why)
-                queues[w].extend(rest)
-                start(w)
-                return
-            v = min(live, key=lambda s: len(queues[s]))
-            log.warning("worker %d is gone (%s); worker %d takes over its %d job(s)", w, why, v, len(rest))
-            queues[v].extend(rest)
-
+        slots = sorted({job.shard for job in jobs})
+        log.info("starting %d Ray actor(s) of %s (%s each)", len(slots), cfg.backbone, opts)
         with _bar(sum(len(j.problems) for j in jobs), "decode") as bar:
-            while any(queues.values()) or any(kind == "job" for kind, _, _ in pending.values()):
-                left = sum(len(j.problems) for q in queues.values() for j in q)
-                dead = watch.check(f"{left} sample(s) of this call not submitted; finished samples are kept in "
-                                   f"{cfg.output_dir}")  # fmt: skip
-                for w in [w for w in list(actors) if node_of.get(w) in dead]:
-                    lose(w, f"node {node_of[w][:12]} died")
-                held = bool(hold) and os.path.exists(hold)
-                if held:
-                    time.sleep(0.2)
-                for w in list(up) if not held else ():  # top up every live actor
-                    busy = sum(1 for kind, slot, _ in pending.values() if kind == "job" and slot == w)
-                    while busy < IN_FLIGHT and queues.get(w):
-                        job = queues[w].popleft()
-                        key = (job.run_dir, job.shard, job.problems[0][0])
-                        attempts[key] += 1
-                        if attempts[key] > cfg.max_shard_attempts:
-                            raise TDLMError(f"{job.run_dir} shard {job.shard}: workers died on all "
-                                            f"{cfg.max_shard_attempts} attempts")  # fmt: skip
-                        pending[actors[w].run_shard.remote(job)] = ("job", w, job)
-                        busy += 1
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-                if not ready:
-                    continue
-                ref = ready[0]
-                kind, w, job = pending.pop(ref)
-                try:
-                    value = ray.get(ref)
-                except RayTaskError as e:  # raised by tdlm code inside the actor: not worth a retry
-                    cause = _cause(e)
-                    msg = str(cause) if isinstance(cause, TDLMError) else f"{type(cause).__name__}: {cause}"
-                    if kind == "ready":
-                        raise TDLMError(f"worker {w} failed to start: {msg}") from None
-                    raise TDLMError(f"{job.run_dir} shard {job.shard}: {msg}") from None
-                except (RayActorError, RayError) as e:  # the actor died and Ray's restarts are spent
-                    if kind == "job":  # this job first: it was the one running
-                        queues[w].appendleft(job)
-                    lose(w, type(e).__name__)
-                    continue
-                if kind == "ready":
-                    up.add(w)
-                    node_of[w] = value["node_id"]
-                    log.info("worker %d up: pid %s on %s (%s %s, CUDA_VISIBLE_DEVICES=%s, node %s)", w, value["pid"],
-                             value["host"], value["device"], value["device_name"], value["cuda_visible_devices"],
-                             value["node_id"][:12])  # fmt: skip
-                    continue
-                bar.update(value.computed)
+            pool = _ShardPool(cfg, launch, slots, num_shards, bar)
+            pool.run(PoolJob((j.run_dir, j.shard, j.problems[0][0]), j, i, j.shard) for i, j in enumerate(jobs))
     finally:
-        lost = watch is not None and watch.lost
-        for handle in actors.values() if not lost else ():  # ray.kill would block on a dead GCS
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
+        lost = pool is not None and pool.lost
+        if pool is not None:
+            pool.close()  # kills nothing after a lost head (ray.kill would block on a dead GCS)
         if lost:  # ray.shutdown (also its atexit hook) exits the process from C++ on a dead head: no Ray call
             import atexit
 
@@ -517,103 +432,6 @@ def _sample(rec: dict, score: dict) -> dict:
         # code rows scored with allow_weak_sandbox: the sandbox guarantees this sample did not get
         **({"sandbox_weakened": score["sandbox_weakened"]} if score.get("sandbox_weakened") else {}),
     }  # fmt: skip
-
-
-# -- 5: summaries, W&B, report ------------------------------------------------------------------------
-def run_summary(cfg: EvalConfig, plan: Plan, samples: list[dict], bb_id: str) -> dict:
-    spec = plan.spec
-    allocation = trained_by = None
-    if spec.adapter:
-        ac = read_adapter_config(spec.adapter)
-        training = ac.get("training") or {}
-        allocation = {"layers": ac.get("layers"), "num_layers": (ac.get("backbone") or {}).get("num_layers"),
-                      "heads": ac.get("heads"), "head_dim": ac.get("head_dim"), "trained_history": ac.get("history"),
-                      "num_parameters": ac.get("num_parameters"), "spec": training.get("allocation")}  # fmt: skip
-        # the training run this adapter came from (its folder and W&B run), recorded by the trainer
-        trained_by = {"run_dir": training.get("run_dir"), **(training.get("wandb") or {})} if training else None
-    summary = {
-        "name": spec.name, "run_dir": str(plan.run_dir), "task": spec.task, "metric": plan.task.metric,
-        "prompt_version": plan.task.prompt_version, "backbone": cfg.backbone, "backbone_id": bb_id,
-        "policy": spec.policy, "threshold": spec.threshold, "entropy_threshold": spec.entropy_threshold,
-        "adapter": spec.adapter, "adapter_label": spec.adapter_label, "history": spec.history, "cache": spec.cache,
-        "allocation": allocation, "trained_by": trained_by, "gen_length": cfg.decode.gen_length,
-        "block_size": cfg.decode.block_size, "stop_at_eos": cfg.decode.stop_at_eos, "batch_size": cfg.decode.batch_size,
-        "dtype": cfg.decode.dtype, "chat": cfg.chat,
-        "limit": cfg.limit, "task_source": plan.task.source,
-        **aggregate(samples),
-        "devices": sorted({s["device"] for s in samples if s.get("device")}),
-    }  # fmt: skip
-    summary["method"] = method_label(summary)
-    return summary
-
-
-def _wandb_config(summary: dict, cfg: EvalConfig, group: str) -> dict:
-    keys = ("backbone", "backbone_id", "task", "policy", "method", "threshold", "entropy_threshold", "history",
-            "cache", "adapter", "adapter_label", "allocation", "trained_by", "gen_length", "block_size", "batch_size",
-            "dtype", "limit", "prompt_version", "sandbox")  # fmt: skip
-    return {**{k: summary.get(k) for k in keys}, "group": group, "output_dir": str(cfg.output_dir)}
-
-
-NUMERIC = ("accuracy", "n", "correct", "nfe_mean", "nfe_median", "seconds_mean", "seconds_median", "seconds_total",
-           "speedup_vs_original", "nfe_ratio_vs_original", "speedup_vs_threshold", "nfe_ratio_vs_threshold")
-
-
-def log_run(cfg: EvalConfig, group: str, summary: dict, samples: list[dict]) -> None:
-    """``summary.json`` + one W&B run, unless an identical summary was already written (a no-op resume)."""
-    from tdlm.tracking import Tracker, grid_tags, run_tags, tag
-
-    path = Path(summary["run_dir"]) / SUMMARY
-    if path.exists():
-        with contextlib.suppress(json.JSONDecodeError):
-            if json.loads(path.read_text()) == json.loads(json.dumps(summary)):
-                return
-    alloc = summary.get("allocation") or {}
-    knob = summary.get("entropy_threshold") if summary["policy"] == "entropy" else summary.get("threshold")
-    tags = run_tags(summary.get("backbone_id") or summary["backbone"], alloc.get("spec") or alloc.get("layers"),
-                    summary.get("history"), [tag("policy", summary["policy"]), *grid_tags(
-                        task=summary["task"], tau=None if summary["policy"] == "original" else knob,
-                        cache=summary.get("cache") or "none"), *cfg.tags])
-    tracker = Tracker(summary["run_dir"], cfg.project, group, f"{summary['task']}/{summary['name']}",
-                      _wandb_config(summary, cfg, group), cfg.wandb_mode,
-                      job_type="eval", tags=tags)  # fmt: skip
-    if summary.get("adapter"):  # W&B lineage: this run read the artifact the training run logged
-        tracker.use_adapter(summary["adapter"], (summary.get("trained_by") or {}).get("id"))
-    tracker.log({**{k: summary[k] for k in NUMERIC if summary.get(k) is not None}, **wandb_metrics(summary)}, step=0)
-    if tracker.run is not None:
-        import wandb
-
-        cols = ["id", "correct", "status", "nfe", "seconds", "extracted"]
-        rows = [[s["id"], s["correct"], s["status"], s["nfe"], s["seconds"], (s["extracted"] or "")[:200]]
-                for s in samples]  # fmt: skip
-        tracker.run.log({"samples": wandb.Table(columns=cols, data=rows)}, step=0)
-    tracker.finish(summary)
-
-
-def comparison_name(cfg: EvalConfig, group: str) -> str:
-    """The comparison run's W&B name. A group given by the user (a sweep, ``--group table1``) is shared by several
-    evaluations, so their names carry the output folder's name; the default group is already one per folder."""
-    if cfg.group is None:
-        return f"{group}/comparison"
-    return f"{group}/{Path(cfg.output_dir).name}/comparison"
-
-
-def log_comparison(cfg: EvalConfig, group: str, runs: list[dict], table: str, plots: list[Path]) -> None:
-    """A W&B run for the whole comparison: the run table and the Pareto plots."""
-    from tdlm.tracking import Tracker
-
-    tracker = Tracker(Path(cfg.output_dir) / "comparison", cfg.project, group, comparison_name(cfg, group),
-                      {"backbone": cfg.backbone, "tasks": cfg.tasks, "runs": len(runs), "group": group},
-                      cfg.wandb_mode, job_type="eval-comparison")  # fmt: skip
-    if tracker.run is not None:
-        import wandb
-
-        cols = ["task", "method", "accuracy", "nfe_mean", "seconds_mean", "speedup_vs_original",
-                "speedup_vs_threshold"]  # fmt: skip
-        data = [[r["task"], r["method"]] + [r.get(c) for c in cols[2:]] for r in runs]
-        payload = {"runs": wandb.Table(columns=cols, data=data), "tables_markdown": wandb.Html(f"<pre>{table}</pre>")}
-        payload.update({f"pareto/{p.stem}": wandb.Image(str(p)) for p in plots})
-        tracker.run.log(payload, step=0)
-    tracker.finish({"runs": len(runs), "table": "table.md"})
 
 
 def check_adapters_fit(cfg: EvalConfig) -> None:

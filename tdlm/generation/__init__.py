@@ -7,7 +7,8 @@ backbone replicas (Ray actors) and writes ``shard-NNNNN.parquet`` files of
 * :mod:`~tdlm.generation.config` - the job's dataclass config; identity vs run settings;
 * :mod:`~tdlm.data.store`  - the output dir: lock, resume checks, atomic shard/manifest writes;
 * :mod:`~tdlm.generation.worker` - one replica (plain class, the body of a Ray actor);
-* :mod:`~tdlm.generation.driver` - Ray connection, scheduling, driver-level redo, progress.
+* :mod:`~tdlm.generation.driver` - the job on the Ray actor pool (:mod:`tdlm.data.ray_pool`: scheduling,
+  node and head loss, driver-level redo), shard writes, progress.
 
 Entry point: ``ray_jobs/generate_trajectories.py``.
 """

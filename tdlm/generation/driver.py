@@ -17,8 +17,9 @@ Recipe of :func:`generate`:
    restarts a replica that dies and retries the shard it held;
 5. hand shards to idle replicas; write each returned shard (atomic rename), then list it in the
    manifest. A shard whose replica is gone for good (Ray's retries spent) is put back in the queue
-   and the replica replaced: the driver-level pass, bounded by ``max_shard_attempts`` per shard.
-   Only the driver writes, and a shard is listed once, so each prompt lands in exactly one row;
+   and the replica replaced: the driver-level pass, bounded by ``max_shard_attempts`` per shard, run by the
+   actor pool (:class:`tdlm.data.ray_pool.ActorPool`), which also watches the head and the nodes.
+   Only the driver writes, and the pool hands each shard's result over once, so each prompt lands in exactly one row;
 6. finish: check every prompt id appears once in shard order, NFE statistics, status "complete".
 
 Ray patterns (actors + retries + driver redo pass + tmp/rename) follow the measurements in
@@ -28,7 +29,6 @@ Ray patterns (actors + retries + driver redo pass + tmp/rename) follow the measu
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import datetime as dt
 import logging
@@ -44,9 +44,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tdlm.data import ray_pool
 from tdlm.data.contamination import check_teacher_prompts
 from tdlm.data.prompts import load_prompts
-from tdlm.data.ray_watch import ClusterWatch, HeadLost, head_lost  # noqa: F401 - re-exported
+from tdlm.data.ray_pool import ActorPool, Loss, NodeNamed, PoolJob
+from tdlm.data.ray_watch import HeadLost, head_lost  # noqa: F401 - re-exported
 from tdlm.data.store import ShardStore
 from tdlm.errors import TDLMError
 from tdlm.generation.config import GenerationConfig
@@ -69,13 +71,8 @@ LOCAL_OBJECT_STORE_BYTES = 512 * 1024**2
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in the driver of a submitted job
 
 
-class _Replica(ShardWorker):
-    """The Ray actor: a :class:`ShardWorker` that also names its node (the driver redoes the shards of a dead one)."""
-
-    def info(self) -> dict:
-        import ray
-
-        return {**super().info(), "node_id": ray.get_runtime_context().get_node_id()}
+class _Replica(NodeNamed, ShardWorker):
+    """The Ray actor: a :class:`ShardWorker` that also names its node (the pool redoes the shards of a dead one)."""
 
 
 @dataclass
@@ -95,26 +92,7 @@ class GenerationSummary:
 # -- Ray connection ---------------------------------------------------------------------------------
 def connect_ray(address: str | None) -> bool:
     """Connect (address / RAY_ADDRESS) or start a local cluster; True if this call initialised Ray."""
-    import ray
-
-    if ray.is_initialized():  # a caller (tests, notebooks) owns the connection
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address and address.startswith(("http://", "https://")):
-        raise TDLMError(
-            f"Ray address {address!r} is a Ray Jobs (dashboard) URL: submit the script with "
-            f"`ray job submit --address {address} ...`, or pass the cluster address (host:6379 or 'auto')"
-        )
-    if address:
-        try:
-            ray.init(address=address, logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise TDLMError(f"cannot connect to the Ray cluster at {address!r}: {e}") from e
-    else:
-        # address="local" always starts a fresh cluster, even if `ray start` runs on this machine.
-        ray.init(address="local", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                 logging_level=logging.WARNING)  # fmt: skip
-    return True
+    return ray_pool.connect_ray(address, LOCAL_OBJECT_STORE_BYTES)
 
 
 def replica_resources(cfg: GenerationConfig, shards_todo: int) -> tuple[int, dict]:
@@ -154,17 +132,12 @@ def worker_spec(cfg: GenerationConfig, gpu: bool, faults: FaultInjection | None 
 def replica_launcher(cfg: GenerationConfig, shards_todo: int,
                      faults: FaultInjection | None = None) -> tuple[int, dict, Callable[[], object]]:  # fmt: skip
     """(number of replicas, their Ray resource options, a function that starts one replica actor)."""
-    import ray
-
     n, resources = replica_resources(cfg, shards_todo)
     spec = worker_spec(cfg, resources.get("num_gpus", 0) > 0, faults)
     # Two threads per replica: run_shard in one, progress() answered in the other (per-batch progress).
-    # SPREAD: replicas on as many nodes as fit, so a lost node takes as few replicas as possible with it.
-    remote_cls = ray.remote(_Replica).options(
-        **resources, max_restarts=cfg.max_restarts, max_task_retries=cfg.max_task_retries, max_concurrency=2,
-        scheduling_strategy="SPREAD",
-    )  # fmt: skip
-    return n, resources, lambda: remote_cls.remote(spec)
+    launch = ray_pool.actor_launcher(_Replica, spec, resources, max_restarts=cfg.max_restarts,
+                                     max_task_retries=cfg.max_task_retries, max_concurrency=2)  # fmt: skip
+    return n, resources, launch
 
 
 # -- progress -------------------------------------------------------------------------------------
@@ -366,13 +339,93 @@ def ray_shutdown():
     return ray.shutdown
 
 
-def _inflight(actors: dict[int, object], pending: dict[object, tuple[str, int, int | None]]) -> dict[int, int]:
+class _ShardPool(ActorPool):
+    """The generation job on the pool: a job is one shard (one shared queue, one shard per replica at a time), its
+    result is written by this driver and listed in the manifest; a lost replica is always replaced."""
+
+    noun = "replica"
+
+    def __init__(self, cfg: GenerationConfig, store: ShardStore, faults: FaultInjection | None,
+                 summary: GenerationSummary, launch: Callable[[], object], n_actors: int) -> None:  # fmt: skip
+        super().__init__(launch, range(n_actors), log=log, max_attempts=cfg.max_shard_attempts,
+                         max_replacements=cfg.max_shard_attempts * n_actors, head_timeout_s=cfg.head_timeout_s,
+                         poll_s=min(cfg.log_interval, 1.0))  # fmt: skip
+        self.cfg, self.store, self.faults, self.summary, self.n_actors = cfg, store, faults, summary, n_actors
+        self.failures: list[dict] = []
+        self.processes: list[dict] = []  # every replica that came up (Ray's own restarts are invisible here)
+        self.progress = Progress(len(store.prompts), store.finished_prompts(), cfg.log_interval)
+        self.written = 0
+
+    def submit(self, handle, job: PoolJob):
+        ps = self.store.shard_prompts(job.key)  # type: ignore[arg-type]
+        task = ShardTask(job.key, [p.source_id for p in ps], [p.text for p in ps], job.attempts)  # type: ignore[arg-type]
+        self.progress.start()
+        return handle.run_shard.remote(task)
+
+    def ready(self, slot: int, info: dict) -> None:
+        self.store.check_actor_identity(info)
+        self.processes.append({k: info[k] for k in ("pid", "host", "device", "threads", "node_id")})
+        log.info("replica %d up: pid %s on %s (%s, CUDA_VISIBLE_DEVICES=%s, %s threads)", slot, info["pid"],
+                 info["host"], info["device"], info["cuda_visible_devices"], info["threads"])  # fmt: skip
+
+    def kept(self) -> str:
+        done = self.store.num_shards - len(self.store.todo())
+        return f"{done}/{self.store.num_shards} shards finished and kept in {self.store.root}"
+
+    def idle(self) -> None:
+        self.progress.partial(_inflight(self))
+        self.progress.tick(f" | {self.n_actors - self.starting()}/{self.n_actors} replicas up")
+
+    def task_failed(self, job: PoolJob, slot: int, msg: str, cause: BaseException) -> None:
+        if isinstance(cause, TDLMError) or job.attempts >= self.cfg.max_shard_attempts:
+            raise TDLMError(f"shard {job.key} failed (attempt {job.attempts}): {msg}")
+        self.failures.append({"shard": job.key, "attempt": job.attempts, "error": msg})
+        log.warning("shard %d attempt %d failed (%s); retrying", job.key, job.attempts, msg)
+
+    def start_failed(self, slot: int, msg: str) -> None:
+        raise TDLMError(f"replica failed to start: {msg}")
+
+    def gave_up(self, job: PoolJob, slot: int, loss: Loss) -> None:
+        if loss.node:
+            raise TDLMError(f"shard {job.key}: its replica's node died on all {job.attempts} attempts")
+        raise TDLMError(f"shard {job.key}: replica died on all {job.attempts} attempts ({type(loss.error).__name__})")
+
+    def job_lost(self, job: PoolJob, slot: int, loss: Loss) -> None:
+        error = "node died" if loss.node else type(loss.error).__name__
+        self.failures.append({"shard": job.key, "attempt": job.attempts, "error": error})
+        if loss.node:
+            log.warning("shard %d: the node of replica %d died; redoing the shard", job.key, slot)
+        else:
+            log.warning("shard %d: replica died (%s); redoing the shard", job.key, error)
+        self.summary.redone_shards += 1
+
+    def actor_gone(self, slot: int, loss: Loss, taker: int | None, moved: int) -> None:
+        log.warning("replica %d is gone (%s); starting a new one", slot, type(loss.error).__name__)
+
+    def keep_dying(self, slot: int, loss: Loss) -> str:
+        last = f"{type(loss.error).__name__}: {loss.error}"
+        return f"replicas keep dying ({self.replacements} replaced); last error: {last}"
+
+    def done(self, job: PoolJob, value: ShardResult) -> None:
+        store, index = self.store, job.key
+        entry = store.write_shard(value.index, value.records, value.seconds, value.worker, job.attempts,
+                                  extra=value.extra)  # fmt: skip
+        self.written += 1
+        if self.faults is not None and self.faults.kill_after == self.written:
+            log.warning("TEST FAULT INJECTION: SIGKILL after shard %d file, before the manifest", index)
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.commit(entry)
+        self.summary.computed_shards.append(index)  # type: ignore[arg-type]
+        self.progress.add(len(value.records), f" | shard {index} done ({value.seconds:.1f} s)", shard=index)
+
+
+def _inflight(pool: ActorPool) -> dict[int, int]:
     """shard -> prompts decoded so far, asked of every replica holding a shard (a replica that died or does not
-    answer within a second counts nothing; its shard's result, or its failure, comes through ``pending``)."""
+    answer within a second counts nothing; its shard's result, or its failure, comes through the pool)."""
     import ray
 
-    busy = {slot: index for kind, slot, index in pending.values() if kind == "shard"}
-    refs = {slot: actors[slot].progress.remote() for slot in busy}
+    busy = {slot: jobs[0].key for slot, jobs in pool.running().items()}
+    refs = {slot: pool.handles[slot].progress.remote() for slot in busy}  # type: ignore[attr-defined]
     out: dict[int, int] = {}
     for slot, ref in refs.items():
         try:
@@ -386,132 +439,20 @@ def _inflight(actors: dict[int, object], pending: dict[object, tuple[str, int, i
 
 def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: FaultInjection | None,
          summary: GenerationSummary) -> None:  # fmt: skip
-    """Steps 4-5 of the recipe: replicas, dispatch, writes, driver-level redo pass."""
+    """Steps 4-5 of the recipe: replicas, dispatch, writes, driver-level redo pass (on :class:`ActorPool`)."""
     import ray
-    from ray.exceptions import RayActorError, RayError, RayTaskError
 
     n_actors, resources, launch = replica_launcher(cfg, len(todo), faults)
     log.info("starting %d replica(s) of %s (%s each)", n_actors, cfg.backbone, resources)
-    actors: dict[int, object] = {}
-    pending: dict[object, tuple[str, int, int | None]] = {}  # ref -> (kind, actor slot, shard)
-    node_of: dict[int, str] = {}  # actor slot -> Ray node id (from its info)
-    watch = ClusterWatch(cfg.head_timeout_s)
-
-    def start_actor(slot: int) -> None:
-        node_of.pop(slot, None)
-        actors[slot] = launch()
-        pending[actors[slot].info.remote()] = ("ready", slot, None)
-
-    for slot in range(n_actors):
-        start_actor(slot)
-    queue = collections.deque(todo)
-    attempts: collections.Counter[int] = collections.Counter()
-    idle: list[int] = []
-    failures: list[dict] = []
-    processes: list[dict] = []  # every replica that came up (Ray's own restarts are invisible here)
-    replacements = 0
-    max_replacements = cfg.max_shard_attempts * n_actors
-    progress = Progress(len(store.prompts), store.finished_prompts(), cfg.log_interval)
+    pool = _ShardPool(cfg, store, faults, summary, launch, n_actors)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    written = 0
-
-    def replace_actor(slot: int, why: BaseException) -> None:
-        nonlocal replacements
-        replacements += 1
-        if replacements > max_replacements:
-            raise TDLMError(f"replicas keep dying ({replacements} replaced); last error: {type(why).__name__}: {why}")
-        with contextlib.suppress(Exception):
-            ray.kill(actors[slot], no_restart=True)
-        log.warning("replica %d is gone (%s); starting a new one", slot, type(why).__name__)
-        start_actor(slot)
-
     try:
-        while queue or any(kind == "shard" for kind, _, _ in pending.values()):
-            while idle and queue:
-                slot, index = idle.pop(), queue.popleft()
-                attempts[index] += 1
-                ps = store.shard_prompts(index)
-                task = ShardTask(index, [p.source_id for p in ps], [p.text for p in ps], attempts[index])
-                pending[actors[slot].run_shard.remote(task)] = ("shard", slot, index)
-                progress.start()
-            done = store.num_shards - len(store.todo())
-            dead = watch.check(f"{done}/{store.num_shards} shards finished and kept in {store.root}")
-            lost = [(ref, slot, index) for ref, (kind, slot, index) in pending.items()
-                    if kind == "shard" and node_of.get(slot) in dead]  # fmt: skip
-            for ref, slot, index in lost:  # Ray may wait forever to restart it: redo the shard on a live replica
-                del pending[ref]
-                failures.append({"shard": index, "attempt": attempts[index], "error": "node died"})
-                if attempts[index] >= cfg.max_shard_attempts:
-                    raise TDLMError(f"shard {index}: its replica's node died on all {attempts[index]} attempts")
-                log.warning("shard %d: the node of replica %d died; redoing the shard", index, slot)
-                queue.appendleft(index)
-                summary.redone_shards += 1
-                replace_actor(slot, RuntimeError(f"node {node_of.get(slot, '?')[:12]} died"))
-            for slot in [s for s in idle if node_of.get(s) in dead]:  # an idle replica on a dead node
-                idle.remove(slot)
-                replace_actor(slot, RuntimeError(f"node {node_of.get(slot, '?')[:12]} died"))
-            if lost:
-                continue
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(cfg.log_interval, 1.0))
-            if not ready:
-                n_ready = n_actors - sum(kind == "ready" for kind, _, _ in pending.values())
-                progress.partial(_inflight(actors, pending))
-                progress.tick(f" | {n_ready}/{n_actors} replicas up")
-                continue
-            ref = ready[0]
-            kind, slot, index = pending.pop(ref)
-            try:
-                value = ray.get(ref)
-            except RayTaskError as e:  # an exception raised by tdlm code inside the replica
-                cause = _cause(e)
-                msg = str(cause) if isinstance(cause, TDLMError) else f"{type(cause).__name__}: {cause}"
-                if kind == "ready":
-                    raise TDLMError(f"replica failed to start: {msg}") from None
-                if isinstance(cause, TDLMError) or attempts[index] >= cfg.max_shard_attempts:
-                    raise TDLMError(f"shard {index} failed (attempt {attempts[index]}): {msg}") from None
-                failures.append({"shard": index, "attempt": attempts[index], "error": msg})
-                log.warning("shard %d attempt %d failed (%s); retrying", index, attempts[index], msg)
-                queue.appendleft(index)
-                idle.append(slot)
-                continue
-            except (RayActorError, RayError) as e:  # the replica died / its node is gone
-                if kind == "shard":
-                    failures.append({"shard": index, "attempt": attempts[index], "error": type(e).__name__})
-                    if attempts[index] >= cfg.max_shard_attempts:
-                        raise TDLMError(
-                            f"shard {index}: replica died on all {attempts[index]} attempts ({type(e).__name__})"
-                        ) from None
-                    log.warning("shard %d: replica died (%s); redoing the shard", index, type(e).__name__)
-                    queue.appendleft(index)
-                    summary.redone_shards += 1
-                replace_actor(slot, e)
-                continue
-            if kind == "ready":
-                store.check_actor_identity(value)
-                node_of[slot] = value["node_id"]
-                processes.append({k: value[k] for k in ("pid", "host", "device", "threads", "node_id")})
-                log.info("replica %d up: pid %s on %s (%s, CUDA_VISIBLE_DEVICES=%s, %s threads)", slot, value["pid"],
-                         value["host"], value["device"], value["cuda_visible_devices"], value["threads"])  # fmt: skip
-                idle.append(slot)
-                continue
-            result: ShardResult = value
-            entry = store.write_shard(result.index, result.records, result.seconds, result.worker, attempts[index],
-                                      extra=result.extra)  # fmt: skip
-            written += 1
-            if faults is not None and faults.kill_after == written:
-                log.warning("TEST FAULT INJECTION: SIGKILL after shard %d file, before the manifest", index)
-                os.kill(os.getpid(), signal.SIGKILL)
-            store.commit(entry)
-            summary.computed_shards.append(index)
-            idle.append(slot)
-            progress.add(len(result.records), f" | shard {index} done ({result.seconds:.1f} s)", shard=index)
+        pool.run(PoolJob(index, None, position) for position, index in enumerate(todo))
     finally:
-        progress.close()
-        for handle in actors.values() if not watch.lost else ():  # ray.kill would block on a dead GCS
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
-    progress.tick(force=True)
-    rate = progress.rate()
+        pool.progress.close()
+        pool.close()
+    pool.progress.tick(force=True)
+    rate = pool.progress.rate()
     summary.trajectories_per_s = rate
     store.record_run({
         "started": started,
@@ -521,11 +462,11 @@ def _run(cfg: GenerationConfig, store: ShardStore, todo: list[int], faults: Faul
         "ray_address": ray.get_runtime_context().gcs_address,
         "replicas": n_actors,
         "replica_resources": resources,
-        "replica_replacements": replacements,
-        "replica_processes": processes,
+        "replica_replacements": pool.replacements,
+        "replica_processes": pool.processes,
         "computed_shards": sorted(summary.computed_shards),
         "adopted_shards": store.adopted,
-        "failures": failures,
+        "failures": pool.failures,
         "trajectories_per_s": rate,
         "settings": cfg.run_settings(),
         "versions": {"tdlm": _tdlm_version(), "torch": torch.__version__, "ray": ray.__version__,
