@@ -4,8 +4,8 @@
 
 The sample's driver (:data:`tdlm.evaluation.sandbox.verdict.DRIVER`) sends such a value tagged; the trusted side
 (:mod:`tdlm.evaluation.sandbox.trusted`) rebuilds the same type: a lazy iterator (only as the whole value) is
-drained where the call returns - the call is the last thing its assert runs in the sample - up to the drain budget
-(:data:`~tdlm.evaluation.sandbox.trusted.BUDGETS` ``lazy_items`` / ``lazy_bytes``) and replayed as an iterator of the
+drained where the call returns - the call is the last thing its assert runs in the sample - within a list's budgets
+(:data:`~tdlm.evaluation.sandbox.trusted.BUDGETS` ``elements`` / ``value_bytes``) and replayed as an iterator of the
 same kind that ends the same way (exhausted, the exception it raised, or cut at the budget). Each case is judged
 against the plain harness (the program and the assert in one Python process): same verdict. Hostile: an infinite
 generator ends at the budget in well under a second; a late exception fails only an assert that reaches it; an
@@ -158,8 +158,8 @@ def test_an_infinite_generator_is_cut_at_the_budget_quickly_and_fails_only_where
     tests = ["assert list(count(0)) == []"] + [f"assert late({k}) is not None" for k in range(3)]
     got, detail = verdicts(LAZY, tests, IMPORTS)  # (partial consumers such as next() are refused at load)
     assert got == (False, True, True, True) and time.monotonic() - t0 < 10, (got, detail)
-    n = int(detail.split("cut after ")[1].split()[0])  # ints of ~12 bytes: the byte budget ends it first
-    assert 0 < n <= BUDGETS["lazy_items"] and "\n" not in detail, detail
+    n = int(detail.split("cut after ")[1].split()[0])  # ints of ~12 bytes: a list's element budget ends it first
+    assert n == BUDGETS["elements"] - 1 and "\n" not in detail, detail
 
 
 def test_a_late_exception_fails_only_an_assert_that_reaches_it():

@@ -15,8 +15,10 @@ Per run (:func:`run_python`), on a machine that grants everything (``isolation_s
    conditional branch, a later link of a chained comparison, a lambda or comprehension body; an assert that sends
    nothing to the sample; without a reference, a bare name used as a value) is refused by :func:`split_asserts`,
    before anything is decoded. The values come back through a strict serialiser of builtins (never unpickled); a
-   returned iterator is consumed within a budget and rebuilt as an iterator, and ``Fraction``, ``Decimal``, dict
-   views, ``range`` and ``deque`` arrive as themselves. No completion token: exiting early only loses values.
+   returned iterator is consumed within a list's budgets and rebuilt as an iterator (an item changed after it was
+   yielded fails in one line), and ``Fraction``, ``Decimal``, dict views, ``range``, ``deque``, ``Counter``,
+   ``OrderedDict``, namedtuples, dates, Enum members and dataclass instances arrive as themselves. No completion
+   token: exiting early only loses values.
 2. **A bounded trusted side.** The evaluator's process never parses the sample's bytes: a trusted child
    (``python -I -S -B trusted.py``, one of a small reused pool, no candidate code) decodes them and evaluates the
    asserts under budgets: nesting 64, 200,000 elements, 4,096 hex digits per int, 1 CPU-s per sample

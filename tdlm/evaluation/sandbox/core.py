@@ -25,6 +25,7 @@ from .files import fd_with, read_capped, read_nonblocking, read_text, rmtree
 from .interpreter import NOBODY, can_drop_to_nobody, default_python
 from .launcher import LAUNCHER
 from .sample import DRIVER
+from .trusted import BUDGETS
 from .verdict import excerpt, judge, sample_ops, split_asserts
 
 Status = Literal["passed", "failed", "timeout", "error"]
@@ -59,7 +60,7 @@ class SandboxLimits:
     max_open_files: int = 256
     max_processes: int = 64  # tasks (processes + threads) the sample may run at once (cgroup pids.max / NPROC)
     output_bytes: int = 10_000  # stdout / stderr kept in the SandboxResult, each (records get a short excerpt)
-    value_bytes: int = 4 << 20  # the values the sample sends back for the asserts, in all
+    value_bytes: int = BUDGETS["value_bytes"]  # the values the sample sends back for the asserts, in all
     tmpfs_bytes: int = 64 << 20  # size of the sample's /tmp and of its /dev/shm (memory, charged to its cgroup)
     tmpfs_inodes: int = 4096  # files + directories in each (bwrap: only where no cgroup charges kernel memory)
     backend: Backend = "auto"  # auto: bubblewrap when on PATH and working, else the in-house namespaces

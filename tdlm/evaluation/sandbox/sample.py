@@ -16,10 +16,14 @@ are numbered, so identity survives (``[x] == [x]`` is True for one nan object), 
 are named. ``state`` (only when not the default): the candidate's decimal context and int-digit limit after the
 call, which Python's check would run under. A lazy iterator (a generator, ``map``, ``filter``, any iterator) that
 is the whole value is drained right after its call - the last thing its assert runs in the sample, so nothing of
-the candidate's runs between - up to the drain budget (:data:`.trusted.BUDGETS` ``lazy_items`` / ``lazy_bytes``),
-and is replayed on the trusted side as an iterator of the same kind ending the same way (exhausted, the exception
-it raised, or cut at the budget); an iterator inside a container fails. Anything else fails. The decoder trusts
-nothing the encoder claims.
+the candidate's runs between - within a list's budgets (:data:`.trusted.BUDGETS` ``elements`` per value, its own
+node counting one, and ``value_bytes``, the values file's cap), and is replayed on the trusted side as an iterator
+of the same kind ending the same way (exhausted, the exception it raised, or cut at the budget); an iterator inside
+a container fails. Each item is encoded when it is yielded and, unless it is immutable (numbers, str, bytes, None,
+tuples / frozensets of those), again after the drain: ``list(v)`` would hold it in its final state, a comprehension
+reads it as it comes, so an item that changed in between (one buffer yielded again and again) ends the value there
+("changed"), and a check that consumes it fails with one line. Anything else fails. The decoder trusts nothing
+the encoder claims.
 """
 
 from __future__ import annotations
@@ -104,7 +108,10 @@ def _tdlm_driver():
     VIEWS = ((type({}.keys()), "vk"), (type({}.values()), "vv"))
     ITEMS = type({}.items())
     ITER = _collections_abc.Iterator
-    LAZY_ITEMS, LAZY_BYTES = @LAZY_ITEMS@, @LAZY_BYTES@
+    # a drained value's budgets are a list's: the decoder's elements per value (its own node counts one) and the
+    # values file's cap (past it the whole file fails, as it does for a list that long)
+    LAZY_ITEMS, LAZY_BYTES = @ELEMENTS@ - 1, @VALUE_BYTES@
+    SCALARS = frozenset((int, float, complex, str, bytes, bool, _type(None)))
     FACTORIES = {None: "null", int: '"int"', float: '"float"', str: '"str"', bytes: '"bytes"', bool: '"bool"',
                  complex: '"complex"', list: '"list"', tuple: '"tuple"', dict: '"dict"', set: '"set"',
                  frozenset: '"frozenset"'}
@@ -309,12 +316,22 @@ def _tdlm_driver():
     DEFAULT_CTX = ('["1c","ROUND_HALF_EVEN","-f423f","f423f","1","0",'
                    '["DivisionByZero","InvalidOperation","Overflow"]]')
 
+    def frozen(x):
+        # an item nothing can change after it was yielded: immutable scalars, tuples / frozensets of them
+        t = _type(x)
+        if t in SCALARS:
+            return True
+        return (t is tuple or t is frozenset) and all(frozen(y) for y in x)
+
     def drain(v):
         # A lazy value, as the assert would consume it: its items now (the call was the assert's last step in the
-        # sample), up to the budget, and how it ended: exhausted, an exception, or cut at the budget.
+        # sample), within a list's budgets, and how it ended: exhausted, an exception, or cut. A consumer that
+        # keeps the items (list(v)) sees each in its final state, one that reads each as it comes (a
+        # comprehension) in its state at yield time: where they differ (one buffer yielded again and again, an
+        # item changed later) the value ends, at the first such item, with "changed" - never judged on either.
         kind = ("generator" if _isinstance(v, types.GeneratorType) else "map" if _isinstance(v, map)
                 else "filter" if _isinstance(v, filter) else "iterator")
-        parts, size, end, why = [], 0, "end", ""
+        parts, held, size, end, why = [], [], 0, "end", ""
         it = _iter(v)
         while True:
             try:
@@ -329,6 +346,17 @@ def _tdlm_driver():
                 break
             parts.append(enc(x, 1))
             size += len(parts[-1])
+            if not frozen(x):
+                held.append((len(parts) - 1, x))
+        for k, x in held:  # after the drain: each mutable item as the consumer would now find it
+            try:
+                now = enc(x, 1)
+            except BaseException as e:
+                now = type(e).__name__
+            if now != parts[k]:
+                end, why = "changed", "item %d (a %s)" % (k, _type(x).__name__)
+                del parts[k:]
+                break
         return '["it",%s,[%s],%s,%s]' % (quote(kind), ",".join(parts), quote(end), quote(why))
 
     exec(code, main.__dict__)
@@ -377,5 +405,4 @@ def _tdlm_driver():
     os._exit(0)
 
 _tdlm_driver()
-""".replace("@LAZY_ITEMS@", str(BUDGETS["lazy_items"])).replace("@LAZY_BYTES@", str(BUDGETS["lazy_bytes"]))
-
+""".replace("@ELEMENTS@", str(BUDGETS["elements"])).replace("@VALUE_BYTES@", str(BUDGETS["value_bytes"]))

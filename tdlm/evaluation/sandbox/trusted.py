@@ -7,17 +7,20 @@ evaluator (never by the sample), the answer goes to stdout the same way. The sam
 here, as JSON lines, by :func:`decode_values`: tagged builtins, and dict views, ``range``, ``bytearray``,
 ``Fraction``, ``Decimal``, ``deque``, ``Counter``, ``OrderedDict``, ``defaultdict``, namedtuples, ``datetime``
 values, ``Enum`` members, dataclass instances and a lazy iterator (the whole value only: its drained items,
-replayed by a fresh generator / ``map`` / ``filter`` that ends as the sample's did) rebuilt as those types; nan
+replayed by a fresh generator / ``map`` / ``filter`` that ends as the sample's did - exhausted, the exception it
+raised, cut at a list's budgets, or at an item that changed after it was yielded) rebuilt as those types; nan
 objects a value holds twice are one object again. The sample's decimal context and int-digit limit, where it sent
 them, are put in place for its check (:func:`_apply_state`). Each check is evaluated
 with the values bound as globals, so a lambda or a comprehension body reads them as any name (as eval locals a
 nested scope could not on 3.11, and a comprehension could on 3.12). Budgets (:data:`BUDGETS`): nesting depth,
 elements per value (every decoded node counts), hex digits of an int / float, characters of a Decimal, CPU seconds
-per job (``ITIMER_PROF``, whose default action ends this process mid-call; the evaluator then starts a fresh one) and
-address space (``RLIMIT_AS``). A value past a budget fails its sample; so does any exception (OverflowError of
-``float.fromhex("0x1p+99999")``, MemoryError, a TypeError of the assert), with one line; a process killed by its CPU
-limit is reported by the evaluator. Nothing raises out of here, and the evaluator never spends more than the budget
-on one sample: a set of hash-colliding ints costs quadratic time to build, but only up to the CPU limit.
+per job (``ITIMER_PROF``, whose default action ends this process mid-call; the evaluator then starts a fresh one),
+address space (``RLIMIT_AS``) and the values file's cap (``value_bytes``: the sample's drain of a lazy value stops
+there, as ``elements`` bounds its items, so a drained value has a list's budgets). A value past a budget fails its
+sample; so does any exception (OverflowError of ``float.fromhex("0x1p+99999")``, MemoryError, a TypeError of the
+assert), with one line; a process killed by its CPU limit is reported by the evaluator. Nothing raises out of
+here, and the evaluator never spends more than the budget on one sample: a set of hash-colliding ints costs
+quadratic time to build, but only up to the CPU limit.
 
 Stdlib only, and importable as a module (the unit tests call :func:`decode_values` / :func:`judge_job` directly).
 """
@@ -38,8 +41,7 @@ BUDGETS = {
     "int_hex_digits": 4096,  # one int: 16,384 bits (about 4,900 decimal digits)
     "float_chars": 40,  # one float.hex() string ("-0x1.fffffffffffffp+1023" is 24)
     "decimal_chars": 8192,  # one decimal.Decimal string
-    "lazy_items": 50_000,  # items the sample drains from one lazy iterator it returns (then: "cut")
-    "lazy_bytes": 1 << 19,  # encoded bytes of those items (then: "cut"): 7 such values fit the 4 MiB of values
+    "value_bytes": 4 << 20,  # the values file's cap (SandboxLimits.value_bytes); a drained lazy value stops there
     "cpu_s": 1,  # CPU seconds of one job (ITIMER_PROF)
     "memory_bytes": 1 << 30,  # RLIMIT_AS of this process
 }
@@ -49,7 +51,7 @@ VIEWS = {"vk": lambda xs: dict.fromkeys(xs).keys(), "vv": lambda xs: dict(enumer
          "vi": lambda xs: dict(xs).items(), "Ovk": lambda xs: _odict().fromkeys(xs).keys(),
          "Ovv": lambda xs: _odict()(enumerate(xs)).values(), "Ovi": lambda xs: _odict()(xs).items()}  # fmt: skip
 LAZY_KINDS = ("generator", "map", "filter", "iterator")
-LAZY_ENDS = ("end", "err", "cut")
+LAZY_ENDS = ("end", "err", "cut", "changed")
 
 
 def _odict() -> type:
@@ -60,12 +62,14 @@ def _odict() -> type:
 
 def _replay(items: list, end: str, why: str):  # noqa: ANN202 - a generator
     """The sample's lazy value as the assert consumes it: its items, then its end (exhausted, the exception it
-    raised there, or the cut at the drain budget), at the same place."""
+    raised there, the cut at a list's budgets, or an item that changed after it was yielded), at the same place."""
     yield from items
     if end == "err":
         raise RuntimeError(f"the candidate's iterator raised {why} after {len(items)} items")
     if end == "cut":
-        raise RuntimeError(f"the candidate's iterator was cut after {len(items)} items (the sample's drain budget)")
+        raise RuntimeError(f"the candidate's iterator was cut after {len(items)} items (a list's budgets)")
+    if end == "changed":  # Python's consumer would read it in another state than it had when it was yielded
+        raise RuntimeError(f"a lazy value's item changed after it was yielded: {why}")
 
 
 def lazy(kind: str, items: list, end: str, why: str) -> object:
