@@ -181,6 +181,29 @@ def test_method_rows_are_timed_interleaved_in_rotated_order(tmp_path):
     assert every == sorted(p.id for p in plans[0].task.problems)  # each problem exactly once
 
 
+def test_a_job_holds_job_batches_batches_and_its_rounds_still_rotate(tmp_path):
+    """``job_batches`` batches per job (the worker refills a finished row's slot from the job's next problems): 7
+    problems in 2 shards at batch 1 and 3 batches per job give shard 0 (4 problems) jobs of 3 + 1 and shard 1 (3
+    problems) one job of 3; round k still holds every run's k-th job, rotated; each problem exactly once; a value
+    below 1 is one line naming the field."""
+    from tdlm.evaluation.driver import plan_runs, shard_jobs
+
+    cfg = cfg_for(tmp_path, tasks=["gsm8k"], policies=["original", "threshold"], thresholds=[0.9], limit=7,
+                  batch_size=1, warmup=1, job_batches=3)  # fmt: skip
+    plans = plan_runs(cfg)
+    names = [p.spec.name for p in plans]
+    jobs, _ = shard_jobs(cfg, plans, 2)
+    run_of = {str(p.run_dir): p.spec.name for p in plans}
+    seq = [(run_of[j.run_dir], j.shard, len(j.problems), j.warmup) for j in jobs]
+    assert seq == [(names[0], 0, 3, 1), (names[0], 1, 3, 1), (names[1], 0, 3, 1), (names[1], 1, 3, 1),
+                   (names[1], 0, 1, 0), (names[0], 0, 1, 0)], seq  # fmt: skip
+    for plan in plans:
+        got = sorted(p[0] for j in jobs if j.run_dir == str(plan.run_dir) for p in j.problems)
+        assert got == sorted(p.id for p in plan.task.problems)
+    with pytest.raises(TDLMError, match=r"^job_batches must be >= 1; got 0$"):
+        cfg_for(tmp_path, job_batches=0).validate()
+
+
 def test_storage_and_compile_reach_the_decode_config_the_worker_decodes_with(tmp_path, monkeypatch):
     """``storage`` travels as ``compile`` does, outside DecodeConfig.to_dict (the run's identity), and the evaluator's
     compile once never reached its workers: what is checked is the DecodeConfig the worker hands to decode, for every

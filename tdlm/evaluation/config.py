@@ -74,6 +74,10 @@ class EvalConfig:
     chat: bool = True  # prompts through the backbone's chat template
     device: str | None = None  # in-process worker device; None = cuda if available else cpu
     warmup: int = 1  # untimed decodes per worker and run before the timed ones
+    # batches of decode.batch_size per worker job. The decode engine refills a finished row's slot with the job's
+    # next problem, so a job of several batches waits for one slowest row instead of one per batch; jobs are timed
+    # interleaved in rounds (shard_jobs), so fewer rounds leave a change of machine load on fewer runs at once
+    job_batches: int = 1
     # run settings (may change on resume)
     workers: int | None = None  # shards / Ray actors; None = one per visible GPU (min 1); 1 = in-process, no Ray
     threads: int | None = None  # torch threads per CPU worker (Ray CPU actors reserve this many CPUs)
@@ -154,7 +158,7 @@ class EvalConfig:
         if self.histories is not None and not self.histories:
             raise TDLMError("histories: expected at least one (full, last:k, current) or None")
         self._check_decode(pols)
-        for name in ("score_workers", "max_shard_attempts", "code_cpu_s"):
+        for name in ("score_workers", "max_shard_attempts", "code_cpu_s", "job_batches"):
             if getattr(self, name) < 1:
                 raise TDLMError(f"{name} must be >= 1; got {getattr(self, name)}")
         for name in ("workers", "threads", "limit"):
@@ -329,7 +333,7 @@ FLAGS: dict[str, Flag] = {
     **{k: Flag(group=GRID) for k in ("credit_thresholds", "soft_thresholds")},
     # the decode section (DecodeSettings): one flag per field it does not leave to the grid's lists
     **decode_flags(GRID, dtype=Flag(group=MODEL), batch_size=Flag(group=RUN), **dict.fromkeys(SWEPT, Flag(skip=True))),
-    **{k: Flag(group=RUN) for k in ("warmup", "workers", "threads", "ray_address", "max_restarts",
+    **{k: Flag(group=RUN) for k in ("warmup", "job_batches", "workers", "threads", "ray_address", "max_restarts",
                                     "max_task_retries", "max_shard_attempts", "head_timeout_s")},
     **{k: Flag(group=SCORING) for k in ("score_workers", "code_timeout_s", "code_cpu_s", "allow_weak_sandbox")},
     **{k: Flag(group=OUTPUT) for k in ("output_dir", "group", "project", "tags", "reference_tau",

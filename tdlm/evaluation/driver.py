@@ -179,10 +179,11 @@ def plan_runs(cfg: EvalConfig) -> list[Plan]:
 def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[list[ShardJob], int]:
     """Jobs for the problems without a record yet (any earlier worker count); returns (jobs, samples done).
 
-    One job per batch, ordered in rounds so that the methods are timed interleaved: round k holds the k-th batch
-    of every run's shard, runs in an order rotated by k (A B C, B C A, ...). A worker runs its jobs in this order,
-    so a change of machine load during an evaluation lands on every run alike, not on the runs that happened to
-    be decoded at that time; only each run's first batch warms up (``warmup``: the worker keeps its models)."""
+    One job per ``job_batches`` batches of a run's shard (the worker decodes a job with refill: a finished row's slot
+    takes the job's next problem), ordered in rounds so that the methods are timed interleaved: round k holds the
+    k-th job of every run's shard, runs in an order rotated by k (A B C, B C A, ...). A worker runs its jobs in this
+    order, so a change of machine load during an evaluation lands on every run alike, not on the runs that happened
+    to be decoded at that time; only each run's first job warms up (``warmup``: the worker keeps its models)."""
     per_run: list[list[list[ShardJob]]] = []  # [plan][round] -> the round's jobs of that run (one per shard)
     skipped = 0
     for plan in plans:
@@ -190,15 +191,15 @@ def shard_jobs(cfg: EvalConfig, plans: list[Plan], num_shards: int) -> tuple[lis
         todo = [p for p in plan.task.problems if p.id not in done]
         skipped += len(plan.task.problems) - len(todo)
         settings = plan.spec.settings(cfg)  # the object the worker decodes with (every field, none dropped)
-        batch = settings.batch_size
+        per_job = settings.batch_size * cfg.job_batches
         rounds: list[list[ShardJob]] = []
         for w in range(num_shards):
             probs = [(p.id, p.index, p.prompt) for p in todo if shard_of(p.index, num_shards) == w]
-            for k, start in enumerate(range(0, len(probs), batch)):
+            for k, start in enumerate(range(0, len(probs), per_job)):
                 if len(rounds) <= k:
                     rounds.append([])
                 rounds[k].append(ShardJob(plan.spec.to_dict(), str(plan.run_dir), w, num_shards,
-                                          probs[start : start + batch], settings, cfg.warmup if k == 0 else 0))
+                                          probs[start : start + per_job], settings, cfg.warmup if k == 0 else 0))
         per_run.append(rounds)
     jobs = []
     for k in range(max((len(r) for r in per_run), default=0)):
