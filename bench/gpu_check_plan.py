@@ -8,7 +8,7 @@ child (``gpu_check_stages.py``) and the decode stage (``gpu_check_nfe.py``) all 
 **The default set and the planned order** (printed at the start of a run): the check's own prediction of each decode
 setting's cold compile (``COMPILE_S`` per graph x ``GRAPHS`` per setting and policy) and decode time, from the nfe
 stage's start after the training stages at their caps. The default set is what that prediction fits inside the
-default 420 s (tests/test_gpu_check.py holds every one of them to it); the run prints the settings it leaves out
+default 420 s (tests/test_gpu_check_plan.py holds every one of them to it); the run prints the settings it leaves out
 (:func:`left_out`), which ``--all-settings`` runs after it and ``--nfe-settings`` names one by one. The rows that
 diverge are the first of them: their 4 model-scope graphs (221 s) do not fit beside the reduce-overhead /
 compiled-static pair, so they take a run of their own (``--stages nfe``, predicted 241 s).

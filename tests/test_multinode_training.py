@@ -10,6 +10,8 @@ uninterrupted run's losses and adapter; a node that stops answering (SIGSTOP) en
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import pwd
@@ -56,10 +58,24 @@ def overrides(extra) -> list[str]:  # after "--" with the others: argparse takes
     return [a for a in extra if not a.startswith("--")]
 
 
-def shared_inputs(tmp_path_factory) -> tuple[Path, Path]:
-    """(trajectories, DS JSON), made once per pytest session in its base temp folder (shared with
-    tests/test_training_faults.py)."""
-    base = tmp_path_factory.getbasetemp() / "two-rank-reference"
+def _shared_base(tmp_path_factory) -> Path:
+    """The session's base temp folder: under pytest-xdist each worker's own base is a subfolder of the controller's
+    (``popen-gw<N>``), and tests/test_training_faults.py may run on another worker than this file, so the workers
+    share the controller's; without xdist, this process's own (never an earlier session's)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "two-rank-reference"
+
+
+@contextlib.contextmanager
+def _shared_lock(base: Path):
+    """One builder at a time across the workers: the others wait, then find its result."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    with open(base.parent / f"{base.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
+def _shared_inputs(base: Path) -> tuple[Path, Path]:
     traj, ds = base / "traj", base / "test_zero3.json"
     if not (traj / "manifest.json").exists():
         shutil.rmtree(base, ignore_errors=True)
@@ -69,21 +85,32 @@ def shared_inputs(tmp_path_factory) -> tuple[Path, Path]:
     return traj, ds
 
 
+def shared_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """(trajectories, DS JSON), made once per pytest session in its base temp folder (shared with
+    tests/test_training_faults.py, on whichever xdist worker it runs)."""
+    base = _shared_base(tmp_path_factory)
+    with _shared_lock(base):
+        return _shared_inputs(base)
+
+
 def shared_reference(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(trajectories, DS JSON, the uninterrupted single-node ``deepspeed --num_gpus 2`` run), built once per pytest
-    session and shared with tests/test_training_faults.py (one launch fewer in the suite)."""
-    traj, ds = shared_inputs(tmp_path_factory)
-    out = traj.parent / "run"
-    if (out / "summary.json").exists():
+    session and shared with tests/test_training_faults.py (one launch fewer in the suite, on one xdist worker or
+    two: a second worker that asks while the first builds waits for its run rather than launching its own)."""
+    base = _shared_base(tmp_path_factory)
+    with _shared_lock(base):
+        traj, ds = _shared_inputs(base)
+        out = base / "run"
+        if (out / "summary.json").exists():
+            return traj, ds, out
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               str(REPO / "launcher" / "train.py"), "--ds", str(ds), "--output-dir", str(out), *ARGS,
+               f"data.trajectories={traj}"]
+        proc = subprocess.run(cmd, cwd=REPO, env=os.environ | ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:]
         return traj, ds, out
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "launcher" / "train.py"), "--ds", str(ds), "--output-dir", str(out), *ARGS,
-           f"data.trajectories={traj}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=os.environ | ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return traj, ds, out
 
 
 @pytest.fixture(scope="module")

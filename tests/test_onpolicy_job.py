@@ -4,8 +4,10 @@ uninterrupted job, every shard written once, and the round and adapter version o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,12 +65,40 @@ def job_cmd(out: Path, round0: dict) -> list[str]:
     return [sys.executable, str(REPO / "ray_jobs" / "onpolicy.py"), "--config", str(path)]
 
 
-def run_job(out: Path, round0: dict, kill: str | None = None) -> subprocess.CompletedProcess:
+def job_env(kill: str | None = None) -> dict[str, str]:
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_CBWR": "AUTO,STRICT", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop(KILL_ENV, None)
     if kill:
         env[KILL_ENV] = kill
-    return subprocess.run(job_cmd(out, round0), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return env
+
+
+def run_job(out: Path, round0: dict, kill: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(job_cmd(out, round0), cwd=REPO, env=job_env(kill), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+
+
+@contextlib.contextmanager
+def job_beside(out: Path, round0: dict):
+    """The uninterrupted job started in the background, beside the test's other jobs (it shares nothing with them
+    but round 0's files, which no job writes: its own output folder, its own local Ray cluster, its own free
+    DeepSpeed port), so its minute of mostly start-up and waiting overlaps theirs. Yields ``finish()``: wait for it
+    (300 s, as run_job) and return it as run_job would; it is killed, its whole session, if the test ends first."""
+    log = out.with_suffix(".log")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(job_cmd(out, round0), cwd=REPO, env=job_env(), stdout=fh, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)  # fmt: skip
+
+    def finish() -> subprocess.CompletedProcess:
+        rc = proc.wait(timeout=300)
+        return subprocess.CompletedProcess(proc.args, rc, log.read_text(), "")
+
+    try:
+        yield finish
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def fingerprint(out: Path) -> dict:
@@ -84,20 +114,21 @@ def fingerprint(out: Path) -> dict:
 @pytest.mark.timeout(1500)
 def test_killed_in_every_phase_resumes_to_the_uninterrupted_job(tmp_path, round0):
     ref = tmp_path / "reference"
-    done = run_job(ref, round0)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "killed"
+    with job_beside(ref, round0) as reference:
+        for phase in ("records", "mix", "train", "sync"):
+            got = run_job(out, round0, kill=f"1:{phase}")
+            assert got.returncode in (137, -9), (phase, got.returncode, got.stdout[-2000:], got.stderr[-2000:])
+            phases = json.loads((out / "onpolicy.json").read_text())["rounds"].get("1", {}).get("phases", [])
+            assert phase not in phases, (phase, phases)  # killed inside the phase: not marked done
+        done = reference()
+    assert done.returncode == 0, done.stdout[-6000:]
     want = fingerprint(ref)
     state = json.loads((ref / "onpolicy.json").read_text())["rounds"]["1"]
     assert state["phases"] == ["prompts", "records", "mix", "train", "sync"]
     assert state["mix"]["current"] == 4 and state["mix"]["replay"] == 4
     assert "exposure_gap" in state and state["gap_prompts"] == 4  # 2 per shard, 2 shards
 
-    out = tmp_path / "killed"
-    for phase in ("records", "mix", "train", "sync"):
-        got = run_job(out, round0, kill=f"1:{phase}")
-        assert got.returncode in (137, -9), (phase, got.returncode, got.stdout[-2000:], got.stderr[-2000:])
-        phases = json.loads((out / "onpolicy.json").read_text())["rounds"].get("1", {}).get("phases", [])
-        assert phase not in phases, (phase, phases)  # killed inside the phase: not marked done
     final = run_job(out, round0)
     assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
     assert fingerprint(out) == want
