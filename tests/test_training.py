@@ -24,6 +24,7 @@ from tdlm.tasks.base import default_data_dir
 from tdlm.training import lr_lambda, preflight
 from tdlm.training.config import RunConfig
 from tdlm.training.ds_config import load_ds_json, resolve_ds_config
+from tests.log_checks import OUR_TRACEBACK
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -174,7 +175,7 @@ def test_ctrl_c_and_preemption_then_resume_match_uninterrupted(tmp_path, traj_di
     first = int(m.group(1))
     assert 3 <= first < 8 and Path(m.group(2)) == out / "checkpoints" / f"step-{first}"
     verify_checksums(Path(m.group(2)))
-    assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log) and "gloo" not in log, log[-3000:]
+    assert not OUR_TRACEBACK.search(log) and "gloo" not in log, log[-3000:]
     assert not (out / "summary.json").exists()
 
     # SIGUSR1 to one rank only: both agree at the next boundary; the exit status reaches the `deepspeed` command
@@ -193,7 +194,7 @@ def test_ctrl_c_and_preemption_then_resume_match_uninterrupted(tmp_path, traj_di
     assert m, line
     second = int(m.group(1))
     assert second >= first + 3
-    assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log) and "gloo" not in log, log[-3000:]
+    assert not OUR_TRACEBACK.search(log) and "gloo" not in log, log[-3000:]
     torn = out / "checkpoints" / f"step-{second + 1}"  # a save that never finished: no SHA256SUMS.json
     torn.mkdir()
     (torn / "mp_rank_00_model_states.pt").write_bytes(b"partial")
@@ -422,7 +423,7 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path, traj_dir):
         m = re.fullmatch(r"preempted at step (\d+) \(SIGTERM; checkpoint (.*)\); resume with --resume", line.strip())
         assert m, line
         verify_checksums(Path(m.group(2)))
-        assert not re.search(r'File ".*(launcher/train\.py|/tdlm/)', log) and "gloo" not in log, log[-3000:]
+        assert not OUR_TRACEBACK.search(log) and "gloo" not in log, log[-3000:]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
