@@ -68,6 +68,36 @@ def test_recorded_trajectory_replays(policy):
             assert sorted(r.reveal_step) == list(range(1, 33))
 
 
+@pytest.mark.parametrize("cache", ["none", "dual"])
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_the_mask_token_is_never_committed(name, cache):
+    """A head that makes the mask token the greedy token at every other forward (as tiny random backbones and the
+    soft / credit fusions sometimes do): no policy commits it, so every step 1..T reveals a real token and each
+    result is a valid trajectory record (batches of 2, with refill)."""
+    bb = sharp_backbone(name)
+    head = bb.model.transformer.ff_out if bb.family == "llada" else bb.lm_head
+    calls = [0]
+
+    def mask_first(module, args, out):
+        calls[0] += 1
+        if calls[0] % 2:
+            out = out.clone()
+            out[..., bb.mask_token_id] = out.max(-1).values + 5.0
+        return out
+
+    handle = head.register_forward_hook(mask_first)
+    try:
+        for policy in ("original", "threshold", "tdlm", "credit", "soft", "entropy"):
+            model = live_tdlm(bb) if policy == "tdlm" else bb
+            opts = dict(policy=policy, threshold=0.6, entropy_threshold=1.0, cache=cache, **KW)
+            for r in decode(model, PROMPTS, batch_size=2, **opts):
+                assert bb.mask_token_id not in r.tokens, policy
+                validate_record(TrajectoryRecord("x", r.prompt_ids, r.tokens, r.reveal_step, r.T), policy)
+    finally:
+        handle.remove()
+    assert calls[0] > 0
+
+
 def test_blocks_are_decoded_left_to_right():
     bb = sharp_backbone()
     for r in decode(bb, PROMPTS, policy="threshold", threshold=0.6, **KW):

@@ -585,9 +585,13 @@ class _Run:
             plan.count(masked)
             nfe_rows = plan.view(plan.nfe)
             logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
+            entropy = -(logp.exp() * logp).sum(-1) if cfg.policy == "entropy" else None
+            # The mask token is never a reveal: committing it would leave the position masked and count a step that
+            # revealed nothing (a record no trajectory reader accepts). A trained backbone gives it no mass; tiny random
+            # ones and soft / credit fusions can make it the greedy token. Its probability stays in the normaliser.
+            logp[..., mask_id] = -torch.inf
             conf, x0 = logp.max(-1)
             conf = conf.exp()  # float64 probability of the greedy token
-            entropy = -(logp.exp() * logp).sum(-1) if cfg.policy == "entropy" else None
             commit = _select(conf, cand, cfg.policy, cfg, entropy, None if reuse is None else reuse.threshold(evals))
             new_resp = resp.clone()
             new_resp.scatter_(1, idx, torch.where(commit, x0, resp.gather(1, idx)))
