@@ -162,3 +162,73 @@ def test_credit_starts_from_zero_for_a_request_admitted_into_the_block_its_slot_
     alone = [decode(exact["tiny-dream"], [p], **kw)[0] for p in prompts]
     out = decode(exact["tiny-dream"], prompts, storage=storage, batch_size=2, **kw)
     assert [_key(r) for r in out] == [_key(r) for r in alone]
+
+
+def test_a_refill_writes_the_request_into_the_finished_row_in_place(exact, monkeypatch):
+    """Dynamic plan, policy tdlm: while requests wait, a finished row's batch row is handed to the next request in
+    place. Its temporal history rows are emptied (no entry, only the sink valid, each position in its own column, so
+    the new request inherits neither the old one's entries nor its ring counts), and nothing copies the storage to
+    admit it: no row leaves and joins (TemporalCache.select / extend) before the queue is empty, and the batch keeps
+    its rows. (That the results stay those of per-request decodes: the invariance test above.)"""
+    from tdlm.temporal.history import TemporalCache
+
+    model = live_tdlm(exact["tiny-llada"])
+    prompts = [[3, *p[1:9]] for p in _prompts(9, seed=8)]  # one prompt bucket: one canvas
+    calls: dict[str, list] = {"select": [], "extend": [], "reset_rows": []}
+    orig = {name: getattr(TemporalCache, name) for name in calls}
+    state = {"queue": True}
+
+    def spy(name):
+        def call(self, arg, *a, **k):
+            out = orig[name](self, arg, *a, **k)
+            calls[name].append(state["queue"])
+            if name == "reset_rows":
+                N = self.length
+                assert self.width == N  # a new request needs every position's column
+                assert not self.count[arg].any() and not self.valid[arg][..., 1:].any()
+                assert torch.equal(self.cols[arg], torch.arange(N).expand(len(arg), N))
+            return out
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(TemporalCache, name, spy(name))
+    stats = EngineStats()
+    seen = []
+
+    def on_result(i, r):  # the last requests to finish: the queue emptied long before
+        seen.append(i)
+        state["queue"] = len(seen) < 2
+
+    decode(model, prompts, policy="tdlm", batch_size=3, stats=stats, on_result=on_result, **KW)
+    assert stats.admissions == 6 and len(calls["reset_rows"]) >= 3, (stats, calls)
+    assert not calls["extend"] and not any(calls["select"]), calls  # leaves only in the tail
+
+
+def test_a_reset_row_of_a_compacted_dynamic_history_starts_empty_and_the_others_keep_theirs():
+    """TemporalCache.reset_rows on a dynamic history that compacted: the storage is widened back to N columns, the
+    reset row holds nothing, and every other row keeps its usable entries position by position."""
+    from tdlm.temporal.history import HistoryPolicy, TemporalCache
+
+    B, N = 3, 24
+    cache = TemporalCache(batch_size=B, policy=HistoryPolicy.parse("full"))
+    cache.allocate([0], N, heads=1, head_dim=2, dtype=torch.float64, device="cpu", capacity=N)
+    g = torch.Generator().manual_seed(0)
+    masked = torch.ones(B, N, dtype=torch.bool)
+    for step in range(3):  # three evaluations; rows reveal their first positions at different paces
+        cache.reserve(step + 1)
+        masked[0, : 6 * step] = False
+        masked[1, : 4 * step] = False
+        masked[2, : 5 * step] = False
+        kv = torch.randn((B, N, 2, 1, 2), generator=g, dtype=torch.float64)
+        cache.append(0, kv, masked)
+        cache.commit(masked)
+        cache.steps += 1
+    assert cache.compact(masked, int(masked.sum(1).max())) and cache.width == 16  # rows 0-2: 12, 16, 14 masked
+    masked[1] = False  # row 1 finished: a new request takes its row
+    before = cache.valid_entries()
+    cache.reset_rows(torch.tensor([1]))
+    assert cache.width == N and cache.batch_size == B
+    after = cache.valid_entries()
+    assert torch.equal(after[[0, 2]], before[[0, 2]]) and not after[1].any()
+    assert torch.equal(cache.cols[1], torch.arange(N)) and not cache.count[1].any()

@@ -642,6 +642,7 @@ class _Run:
             finished = [i for i, (r, d) in enumerate(zip(rows, done_l, strict=True)) if d and not r.done]
             for r, k, n_left in zip(rows, next_l, left_l, strict=True):
                 r.blk, r.left = k, n_left
+            coming = 0
             if finished:
                 # Their responses, reveal steps and NFE copied on the device now (the next admission may write their
                 # slots), read back with the next evaluation's sync, or once after the last one.
@@ -652,16 +653,23 @@ class _Run:
                     rows[i].done = True
                     if rows[i].kv >= 0:  # a finished row that stays is never refreshed again: it rides the window
                         rows[i].kv = last  # steps (until a request is admitted into its slot)
-                keep = plan.staying(rows)  # the dynamic plan's finished rows leave the batch
+                live = sum(not r.done for r in rows)
+                # requests the admission below takes from the queue into the finished rows' slots (none into an
+                # emptied batch: it starts every per-row state anew)
+                coming = len(queue) if live and plan.can_join(live) else 0
+                keep = plan.staying(rows, coming)  # the dynamic plan's finished rows leave unless refilled in place
                 if len(keep) < len(rows):
                     plan.leave(keep)
                     rows[:] = [rows[i] for i in keep]
                     still = still[_index(keep, device)] if keep else still[:0]
             # A dual window step reads only the front, so dropping columns inside a block would save only the next
             # refresh's work, for a copy of the whole storage (about 3% of an evaluation at the medium bench shape on
-            # this CPU, docs/decoding.md): under the dual cache the loop compacts once a row has changed block.
+            # this CPU, docs/decoding.md): under the dual cache the loop compacts once a row has changed block. Nor
+            # before a refill: the new requests need every column back (TemporalCache.reset_rows / extend would widen
+            # the storage again at once, a second copy for nothing).
             moved = cfg.cache != "dual" or any(r.blk != r.comp_blk for r in rows)
-            if cache is not None and plan.cache is not None and rows and moved and \
+            refill = bool(finished) and coming > 0
+            if cache is not None and plan.cache is not None and rows and moved and not refill and \
                     plan.cache.compact(still, max(r.left for r in rows)):  # fmt: skip
                 # the history of revealed positions is dead: fewer storage columns, each row's from its active block
                 for r in rows:

@@ -7,8 +7,11 @@ slot at a time, and the per-row state of the rows in the batch: the temporal his
 KV cache (``prefix`` / ``dual``) and the credit / soft state (:mod:`tdlm.decoding.reuse`).
 
 * :class:`DynamicRows` (``storage="dynamic"``): the batch is the occupied slots, gathered for each evaluation. A
-  finished row leaves (its slot is freed and every per-row state keeps the other rows), a new request joins at the
-  end (every per-row state extends by a row); the temporal history grows in slot buckets and compacts its columns.
+  finished row whose slot a waiting request takes at once stays in its batch row, and the request is written into
+  that row in place (its per-row state emptied: no copy of the temporal history, the KV cache or the credit / soft
+  state); a finished row that nobody replaces leaves (every per-row state keeps the other rows), and a request for
+  a slot no row holds joins at the end (every per-row state extends by a row). The temporal history grows in slot
+  buckets and compacts its columns.
 * :class:`StaticSlots` (``storage="static"``): every tensor at its final size and one address for the bucket
   (tdlm/decoding/static_plan.py), which CUDA-graph trees need. The batch is every slot, always. A finished row stays
   in place, masked (nothing left to commit, no NFE), until a new request is written into its slot in place: its
@@ -37,6 +40,7 @@ class DynamicRows:
         self.reveal = torch.zeros((slots, G), dtype=torch.long, device=device)
         self.nfe = torch.zeros(slots, dtype=torch.long, device=device)
         self.active = torch.zeros(0, dtype=torch.long, device=device)  # the batch's slots, in row order
+        self.order: list[int] = []  # its host mirror
         self.cache = self.kv_cache = self.reuse = None
         # A single row under the dual cache compacts only when it changes block, and a row reveals only in its active
         # block, so its history's columns always hold the positions from its active block's start in order: the rows
@@ -59,19 +63,28 @@ class DynamicRows:
         return t[self.active]
 
     def free(self, rows: list) -> list[int]:
-        """The slots no row of the batch holds."""
+        """The slots of the finished rows kept for a refill (:meth:`staying`), in row order, then those no row of the
+        batch holds."""
         taken = {r.slot for r in rows}
-        return [s for s in range(self.slots) if s not in taken]
+        return [r.slot for r in rows if r.done] + [s for s in range(self.slots) if s not in taken]
 
     @staticmethod
     def place(rows: list, new: list) -> None:
-        """New rows join at the end of the batch's host rows (as :meth:`admit` appends them to ``active``)."""
-        rows.extend(new)
+        """New rows replace the finished rows whose slots they take, in their batch rows; the others join at the end
+        of the batch's host rows (as :meth:`admit` writes them in place or appends them to ``active``)."""
+        at = {r.slot: i for i, r in enumerate(rows) if r.done}
+        for r in new:
+            if r.slot in at:
+                rows[at[r.slot]] = r
+            else:
+                rows.append(r)
 
     @staticmethod
-    def staying(rows: list) -> list[int]:
-        """The batch rows that stay after an evaluation: those still decoding."""
-        return [i for i, r in enumerate(rows) if not r.done]
+    def staying(rows: list, coming: int) -> list[int]:
+        """The batch rows that stay after an evaluation: those still decoding and up to ``coming`` finished ones (the
+        requests the next admission writes into their rows, in place: no per-row state is copied for them)."""
+        done = [i for i, r in enumerate(rows) if r.done][:coming]
+        return sorted([i for i, r in enumerate(rows) if not r.done] + done)
 
     def can_join(self, rows: int) -> bool:
         """Whether requests may join a batch of ``rows`` rows now: a recurrent ``latent:M`` history only into an empty
@@ -79,13 +92,31 @@ class DynamicRows:
         return rows == 0 or not (self.cfg.policy == "tdlm" and self.model.policy.recurrent)
 
     def admit(self, slots: list[int], ids: torch.Tensor, am: torch.Tensor) -> None:
-        """Requests join at the end of the batch in free ``slots``: their canvas rows ``ids`` / ``am`` (n, L) built on
-        the host; the per-row state extends (or, into an empty batch, starts anew)."""
-        cfg, n = self.cfg, len(slots)
+        """Requests written into free ``slots``: their canvas rows ``ids`` / ``am`` (n, L) built on the host. A slot a
+        finished batch row still holds (:meth:`staying`) keeps its batch row and has its per-row state emptied in
+        place; the others join at the end of the batch, where the per-row state extends (or, into an empty batch,
+        starts anew)."""
+        cfg = self.cfg
         idx = torch.tensor(slots, dtype=torch.long).to(self.device)
         self.ids[idx], self.am[idx] = ids.to(self.device), am.to(self.device)
         self.reveal[idx] = 0
         self.nfe[idx] = 0
+        row_of = {s: i for i, s in enumerate(self.order)}
+        held = [row_of[s] for s in slots if s in row_of]
+        if held:  # the KV cache needs nothing: a row's first evaluation is a refresh that writes all of its entries
+            at = torch.tensor(held, dtype=torch.long).to(self.device)
+            if self.cache is not None:
+                self.cache.reset_rows(at)
+            if self.reuse is not None:
+                self.reuse.reset(at)
+            if self.in_order and self.cache is not None:
+                self.cache.claim_rows(False)
+            self.in_order = False
+        slots = [s for s in slots if s not in row_of]
+        n = len(slots)
+        if not n:
+            return
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device)
         if self.active.numel() == 0:
             G = cfg.gen_length
             self.cache = self.model.new_cache(n, length=G) if cfg.policy == "tdlm" else None
@@ -102,6 +133,7 @@ class DynamicRows:
                 self.cache.claim_rows(False)
             self.in_order = False
         self.active = torch.cat([self.active, idx])
+        self.order += slots
 
     def count(self, masked: torch.Tensor) -> None:
         """One NFE for every row of the batch."""
@@ -136,10 +168,12 @@ class DynamicRows:
             return
         if not keep:  # the batch is empty: the next admission starts every per-row state anew
             self.active = self.active[:0]
+            self.order = []
             self.cache = self.kv_cache = self.reuse = None
             return
         keep_t = torch.tensor(keep, dtype=torch.long).to(self.device)
         self.active = self.active[keep_t]
+        self.order = [self.order[i] for i in keep]
         for state in (self.cache, self.kv_cache, self.reuse):
             if state is not None:
                 state.select(keep_t)
@@ -190,7 +224,7 @@ class StaticSlots:
             rows[r.slot] = r
 
     @staticmethod
-    def staying(rows: list) -> list[int]:
+    def staying(rows: list, coming: int) -> list[int]:
         """Every row stays in place."""
         return list(range(len(rows)))
 

@@ -138,7 +138,7 @@ class Credit:
             self.credit = torch.cat([self.credit, self.credit.new_zeros((n, *self.credit.shape[1:]))])
 
     def reset(self, rows: torch.Tensor) -> None:
-        """New requests in the freed rows ``rows`` (static storage): their credit starts from zero."""
+        """New requests in the freed rows ``rows`` (written in place, either plan): their credit starts from zero."""
         self.block[rows] = -1
 
 
@@ -208,5 +208,5 @@ class Soft:
         self.mixed = torch.cat([self.mixed, self.mixed.new_zeros((n, *self.mixed.shape[1:]))])
 
     def reset(self, rows: torch.Tensor) -> None:
-        """New requests in the freed rows ``rows`` (static storage): no prediction mixed in yet."""
+        """New requests in the freed rows ``rows`` (written in place, either plan): no prediction mixed in yet."""
         self.mixed[rows] = 0

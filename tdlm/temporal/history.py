@@ -452,9 +452,8 @@ class TemporalCache:
     def extend(self, n: int) -> None:
         """Admit ``n`` new rows at the end of the batch (the decode engine refilling freed rows; dynamic storage): each
         with every response position in its own column (position w in column w), no entry and only the sink valid, as
-        :meth:`allocate` leaves a row. A compacted storage is widened back to N columns, the old rows' new columns empty
-        (position N), as compaction leaves the columns of a row with fewer masked positions; it compacts again when
-        the loop next can. Promises about the columns (:meth:`set_front`, :meth:`claim_rows`) are withdrawn."""
+        :meth:`allocate` leaves a row. A compacted storage is widened back to N columns first (:meth:`_widen`).
+        Promises about the columns (:meth:`set_front`, :meth:`claim_rows`) are withdrawn."""
         if self.static:
             raise TDLMError("a static history keeps its rows in place; admit into a freed row with reset_rows()")
         if n < 1:
@@ -463,15 +462,8 @@ class TemporalCache:
         self.front, self.suffix, self.front_aligned = None, False, False
         if not self.layers:  # not allocated yet: allocation sizes it for the whole batch
             return
-        N, W = self.length, self.width
-        dev = self.cols.device
-        if W < N:  # widen every row back to N columns; the new columns hold no position
-            pad = N - W
-            self.cols = torch.cat([self.cols, self.cols.new_full((self.cols.shape[0], pad), N)], 1)
-            self.count = torch.cat([self.count, self.count.new_zeros((self.count.shape[0], pad))], 1)
-            self.valid = torch.cat([self.valid, self.sink_column().expand(self.valid.shape[0], pad, -1)], 1)
-            for lh in self.layers.values():
-                lh.kv = torch.cat([lh.kv, lh.kv.new_zeros((lh.kv.shape[0], pad, *lh.kv.shape[2:]))], 1)
+        self._widen()
+        N, dev = self.length, self.cols.device
         self.cols = torch.cat([self.cols, torch.arange(N, device=dev).expand(n, N)], 0)
         self.count = torch.cat([self.count, self.count.new_zeros((n, N))], 0)
         self.valid = torch.cat([self.valid, self.sink_column().expand(n, N, -1)], 0)
@@ -479,14 +471,34 @@ class TemporalCache:
             lh.kv = torch.cat([lh.kv, lh.kv.new_zeros((n, *lh.kv.shape[1:]))], 0)
         self._slots_dynamic()
 
+    def _widen(self) -> None:
+        """A compacted storage back to N columns, the old rows' new columns empty (position N), as compaction leaves
+        the columns of a row with fewer masked positions (it compacts again when the loop next can): a new request
+        needs a column for each of its N positions."""
+        N, W = self.length, self.width
+        if W >= N:
+            return
+        pad = N - W
+        self.cols = torch.cat([self.cols, self.cols.new_full((self.cols.shape[0], pad), N)], 1)
+        self.count = torch.cat([self.count, self.count.new_zeros((self.count.shape[0], pad))], 1)
+        self.valid = torch.cat([self.valid, self.sink_column().expand(self.valid.shape[0], pad, -1)], 1)
+        for lh in self.layers.values():
+            lh.kv = torch.cat([lh.kv, lh.kv.new_zeros((lh.kv.shape[0], pad, *lh.kv.shape[2:]))], 1)
+        self._slots_dynamic()
+
     def reset_rows(self, rows: torch.Tensor) -> None:
-        """Empty the batch rows ``rows`` of a static history in place, for new requests in freed rows (the decode
-        engine's refill): no entry, only the sink valid, column w holding position w; the other rows and every
-        address are unchanged."""
-        if not self.static:
-            raise TDLMError("reset_rows() empties rows of a static history in place; a dynamic one extends")
+        """Empty the batch rows ``rows`` in place for new requests in freed rows (the decode engine's refill): no entry,
+        only the sink valid, column w holding position w, as :meth:`allocate` leaves a row; the other rows are
+        unchanged. A static history keeps every address. A dynamic one is first widened back to N columns if it
+        compacted (:meth:`_widen`, the one copy), and withdraws its promises about the columns: the new row's count
+        starts from 0, so it does not inherit the old row's entries, and a refill costs no copy of the storage (a
+        finished row leaving and a new one joining would copy it twice, :meth:`select` and :meth:`extend`)."""
         if not self.layers:
             return
+        if not self.static:
+            self._widen()
+            self.front, self.suffix, self.front_aligned = None, False, False
+            self.cols[rows] = torch.arange(self.length, device=self.cols.device)
         self.count[rows] = 0
         self.valid[rows] = self.sink_column()
         for lh in self.layers.values():
@@ -572,6 +584,10 @@ class LatentCache(TemporalCache):
         """A recurrent memory folds every evaluation of a row into its latents and one progress count per row, and a
         new row would start from the learned initial latents that the batch's first evaluation reads for all rows at
         once: the engine admits into a ``latent:M`` batch only when it is empty."""
+        raise TDLMError(f"history {self.policy} cannot admit rows into a running batch; start a new batch")
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """As :meth:`extend`: a new row's latents would start from the initial ones, read for the whole batch."""
         raise TDLMError(f"history {self.policy} cannot admit rows into a running batch; start a new batch")
 
     def compact(self, still: torch.Tensor, most: int) -> bool:
