@@ -7,7 +7,7 @@ CUDA graphs cannot run here, so a stand-in for the compiled steps enforces the r
 in inference (no backward pending), every call of a compiled step starts a new one. A call in a new generation frees
 the outputs of the earlier ones for reuse, which the stand-in models by filling them with NaN. An evaluation whose
 rows split into a refresh group and a window group calls the compiled backbone step twice and then merges both
-outputs (``loop._merge_logits``): without the loop's per-evaluation mark the first group's logits are NaN by then.
+outputs (``loop.merge_logits``): without the loop's per-evaluation mark the first group's logits are NaN by then.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def stand_in(monkeypatch) -> GraphTreesStandIn:
 
     monkeypatch.setattr(loop, "check_compile", check_compile)
     monkeypatch.setattr(config, "check_compile", check_compile)  # DecodeConfig.validate's
-    monkeypatch.setattr(loop, "compiled_steps", lambda backend, mode: (s.wrap(loop._backbone_eval),
+    monkeypatch.setattr(loop, "compiled_steps", lambda backend, mode: (s.wrap(loop.backbone_eval),
                                                                         s.wrap(TDLM.evaluate_groups)))
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", s.mark_step_begin)
     return s

@@ -78,6 +78,34 @@ def test_a_refilled_request_keeps_its_partial_canvas_and_its_states(exact):
         assert all(0 < r.seconds for r in out)
 
 
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("name", BACKBONES)
+def test_roll_out_canvases_through_refill_decode_as_alone(exact, name, cache):
+    """On-policy roll-outs' partial canvases (random density, EOS among the given tokens) through refill in batches of
+    3, every backbone policy, with and without the early stop: each request equals its own decode, and every step
+    1..T reveals a token (a roll-out record with an empty step is refused when read back)."""
+    bb = exact[name]
+    g = random.Random(7)
+    prompts = _prompts(9, seed=5)
+    canvas = []
+    for _ in prompts:
+        dense = g.random()
+        row = [g.choice([g.randrange(10, 120), bb.eos_token_id]) if g.random() < dense else bb.mask_token_id
+               for _ in range(16)]  # fmt: skip
+        row[g.randrange(16)] = bb.mask_token_id
+        canvas.append(row)
+    for k, policy in enumerate(("original", "threshold", "credit", "soft", "entropy")):
+        opts = dict(policy=policy, cache=cache, stop_at_eos=bool(k % 2), entropy_threshold=1.0, **KW)
+        alone = [decode(bb, [p], canvas=[c], **opts)[0] for p, c in zip(prompts, canvas, strict=True)]
+        for storage in ("dynamic", "static"):
+            stats = EngineStats()
+            out = decode(bb, prompts, canvas=canvas, batch_size=3, storage=storage, stats=stats, **opts)
+            assert [_key(r) for r in out] == [_key(r) for r in alone], (policy, storage)
+            assert stats.admissions >= 2, (policy, storage)
+            for r in out:
+                assert set(range(1, r.nfe + 1)) <= set(r.reveal_step), (policy, storage, r.reveal_step)
+
+
 def test_the_static_plan_refills_in_place(exact, monkeypatch):
     """Over 40 requests in batches of 4 the static plan admits into freed slots of one bucket: the canvas a step reads
     is at one address at every evaluation, nothing more is held after the first decode, and the finished rows' work
@@ -85,13 +113,13 @@ def test_the_static_plan_refills_in_place(exact, monkeypatch):
     bb = sharp_backbone("tiny-llada")  # its own pool
     prompts = [[3, *(p[1:6])] for p in _prompts(40, seed=4)]  # one prompt bucket
     seen: set[int] = set()
-    orig = loop._backbone_eval
+    orig = loop.backbone_eval
 
     def step(backbone, x, *args, **kwargs):
         seen.add(x.data_ptr())
         return orig(backbone, x, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "_backbone_eval", step)
+    monkeypatch.setattr(loop, "backbone_eval", step)
     refill, chunked = EngineStats(), EngineStats()
     decode(bb, prompts, storage="static", cache="none", batch_size=4, stats=refill, **KW)
     held = static_bytes(bb)

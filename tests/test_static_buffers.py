@@ -46,14 +46,14 @@ def _key(results):
 def _record_logits(monkeypatch) -> list[torch.Tensor]:
     """Per evaluation: the block logits (b, block, V) of every row the loop holds, as the commit rule reads them."""
     seen: list[torch.Tensor] = []
-    orig = loop._merge_logits
+    orig = loop.merge_logits
 
     def run(groups, outs, b):
         out = orig(groups, outs, b)
         seen.append(out.clone())
         return out
 
-    monkeypatch.setattr(loop, "_merge_logits", run)
+    monkeypatch.setattr(loop, "merge_logits", run)
     return seen
 
 
@@ -266,7 +266,7 @@ def test_a_finished_or_padding_row_is_never_refreshed_again(backbones, cache, mo
     stop token before the last block) rides the window steps: no refresh after the first evaluation includes it (a
     refresh is a full forward of its canvas)."""
     refreshed: list[set[int]] = []  # per evaluation: the rows of its refresh forward
-    orig = loop._groups
+    orig = loop.step_groups
 
     def run(kv_cache, blk, kv_blk, *args):
         groups = orig(kv_cache, blk, kv_blk, *args)
@@ -277,7 +277,7 @@ def test_a_finished_or_padding_row_is_never_refreshed_again(backbones, cache, mo
         refreshed.append(rows)
         return groups
 
-    monkeypatch.setattr(loop, "_groups", run)
+    monkeypatch.setattr(loop, "step_groups", run)
     res = decode(backbones["tiny-llada"], PROMPTS_A, cache=cache, storage="static",
                  stop_at_eos=True, stop_ids=[91], **dict(KW, gen_length=32))  # fmt: skip
     nfe = [r.nfe for r in res]

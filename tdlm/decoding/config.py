@@ -41,7 +41,7 @@ class DecodeConfig:
     # What one compiled graph covers, with compile: "model" (each step kind whole: the backbone's forward and TDLM's
     # evaluation, fullgraph; dynamo traces every layer, so a cold compile grows with depth) | "block" (the layer loop
     # stays eager; the transformer block's attention and feed-forward and the temporal layer's step are each compiled
-    # once and reused by every layer, tdlm.decoding.loop.block_regions). "block" takes no CUDA-graph mode.
+    # once and reused by every layer, tdlm.decoding.compiled.block_regions). "block" takes no CUDA-graph mode.
     compile_scope: str = "model"
     # Where the state a step writes lives: "dynamic" (sized as the decode goes: history buckets, compaction,
     # finished rows leave the batch) | "static" (allocated once at its final size, fixed addresses reused across

@@ -46,6 +46,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tdlm.decoding.compiled import (
+    RECOMPILE_LIMIT,
+    backbone_eval,
+    block_regions,
+    compiled_steps,
+    evaluate_written_out,
+    graphs_compiled,
+    regions_on,
+)
 from tdlm.decoding.config import (  # noqa: F401 - re-exported: the settings' historical home
     COMPILE_SCOPES,
     CUDA_GRAPH_MODES,
@@ -56,10 +65,10 @@ from tdlm.decoding.config import (  # noqa: F401 - re-exported: the settings' hi
 )
 from tdlm.decoding.plans import DynamicRows, StaticSlots
 from tdlm.decoding.static_plan import prompt_bucket
+from tdlm.decoding.step_groups import index_tensor, merge_logits, rows_of, step_groups, window_front
 from tdlm.errors import TDLMError
-from tdlm.models.common import Backbone, BlockRegions
-from tdlm.models.kv_cache import CACHE_MODES, KVStep, LayerKV, SpatialKVCache
-from tdlm.temporal.attention import TemporalAttention
+from tdlm.models.common import Backbone
+from tdlm.models.kv_cache import CACHE_MODES
 from tdlm.temporal.history import column_bucket
 from tdlm.temporal.model import TDLM, StepGroup
 
@@ -99,158 +108,6 @@ def _select(conf: torch.Tensor, cand: torch.Tensor, rule: str, cfg: DecodeConfig
         sel = cand & (conf > (cfg.threshold if tau is None else tau))
     none = ~sel.any(1, keepdim=True)
     return torch.where(none, top, sel)
-
-
-def _rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or rows is None else t[rows]
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list as a device index tensor without a host synchronisation (pinned, non-blocking on CUDA)."""
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _groups(
-    kv_cache: SpatialKVCache | None,
-    blk: list[int],
-    kv_blk: list[int],
-    block_start: torch.Tensor,
-    host_starts: list[int],
-    bs: int,
-    L: int,
-    shift: int,
-) -> list[tuple[torch.Tensor | None, KVStep | None]]:
-    """(rows, KV step) of the forwards of one evaluation: one without a cache; with one, the rows whose
-    block starts (a refresh) and the rows inside a block (a window step), each group only if present.
-    Decided on the host from the host mirror of each row's active block (``blk``, read back with the stop
-    check) and of the block its KV cache holds (``kv_blk``, updated here): no device read."""
-    if kv_cache is None:
-        return [(None, None)]
-    refresh = [i for i, (a, c) in enumerate(zip(blk, kv_blk, strict=True)) if a != c]
-    for i in refresh:
-        kv_blk[i] = blk[i]
-    if len(refresh) == len(blk):
-        return [(None, KVStep(kv_cache, True))]
-    if not refresh:
-        return [(None, KVStep.window(kv_cache, block_start, bs, L, shift, host_starts=host_starts))]
-    fresh = set(refresh)
-    stay = [i for i in range(len(blk)) if i not in fresh]
-    r1, r0 = _index(refresh, block_start.device), _index(stay, block_start.device)
-    window = KVStep.window(kv_cache, block_start[r0], bs, L, shift, r0, [host_starts[i] for i in stay])
-    return [(r1, KVStep(kv_cache, True, rows=r1)), (r0, window)]
-
-
-def _merge_logits(groups: list, outs: list[torch.Tensor], b: int) -> torch.Tensor:
-    """(b, bs, V) block logits from each group's (b_g, bs, V) logits."""
-    if len(groups) == 1:
-        return outs[0]
-    merged = outs[0].new_empty((b, *outs[0].shape[1:]))
-    for (rows, _), out in zip(groups, outs, strict=True):
-        merged[rows] = out
-    return merged
-
-
-# -- compilation (the choices and their check: tdlm/decoding/config.py) -----------------------------------------------
-_COMPILED: dict = {}
-# Recompilations of one decode are bounded by the step kinds (see decode's docstring); this leaves room for a
-# few models per process. Reaching it raises instead of falling back to eager.
-RECOMPILE_LIMIT = 64
-
-
-def _backbone_eval(backbone: Backbone, x, attention_mask, positions, kv, embeds=None):
-    return backbone(x, attention_mask=attention_mask, select=positions, kv=kv, inputs_embeds=embeds)
-
-
-def _evaluate_written_out(model: TDLM, prompt_len: int, cache, groups: list) -> list[torch.Tensor]:
-    """:meth:`TDLM.evaluate_groups` with the temporal attention written out, which inductor fuses into one kernel
-    (:func:`tdlm.temporal.attention.step_attention`)."""
-    return TDLM.evaluate_groups(model, prompt_len, cache, groups, written_out=True)
-
-
-def compiled_steps(backend: str, mode: str | None):
-    """(backbone step, TDLM step) compiled with fullgraph=True, one pair per (backend, mode) per process.
-
-    The backbone step is ``backbone(x, attention_mask, select=positions, kv)``; the TDLM step is
-    :meth:`tdlm.TDLM.evaluate_groups`, with inductor in its written-out attention form. Dynamo caches graphs per
-    step kind under guards on the structure of the arguments (refresh / window, rows split or not, padded or
-    not) and on shapes; nothing in the arguments changes from one evaluation of a kind to the next."""
-    key = (backend, mode)
-    if key not in _COMPILED:
-        kw = {"fullgraph": True, "backend": backend, **({"mode": mode} if mode else {})}
-        step = _evaluate_written_out if backend == "inductor" else TDLM.evaluate_groups
-        _COMPILED[key] = (torch.compile(_backbone_eval, **kw), torch.compile(step, **kw))
-    return _COMPILED[key]
-
-
-def _block_attend(block: torch.nn.Module, x: torch.Tensor, ctx, slot: LayerKV | None) -> torch.Tensor:
-    return block.attend(x, ctx, slot)
-
-
-def _block_feed_forward(block: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    return block.feed_forward(h)
-
-
-def _temporal_step(module: TemporalAttention, *args, **kw):
-    return TemporalAttention.step(module, *args, **kw)
-
-
-def block_regions(backend: str, mode: str | None) -> BlockRegions:
-    """The regions of ``compile_scope="block"`` compiled with fullgraph=True, one set per (backend, mode) per process:
-    a block's attention (its layer's spatial KV storage passed in as tensors, :class:`tdlm.models.kv_cache.LayerKV`),
-    its feed-forward and the temporal layer's step (:meth:`tdlm.temporal.attention.TemporalAttention.step`).
-
-    Each is one function whose module is an argument; parameters are graph inputs (dynamo always inlines built-in
-    nn modules), so every layer's call hits the graph the first layer compiled, under guards on the step kind and
-    shapes: the cold compile of a decode is that of one block, whatever the depth (``bench/compile_scope.py``). The
-    loop, embedding, LM head and the temporal history's bookkeeping run eagerly between them."""
-    key = ("block", backend, mode)
-    if key not in _COMPILED:
-        kw = {"fullgraph": True, "backend": backend, **({"mode": mode} if mode else {})}
-        _COMPILED[key] = BlockRegions(attend=torch.compile(_block_attend, **kw),
-                                      feed_forward=torch.compile(_block_feed_forward, **kw),
-                                      temporal_step=torch.compile(_temporal_step, **kw))  # fmt: skip
-    return _COMPILED[key]
-
-
-@contextlib.contextmanager
-def _regions_on(backbone: Backbone, regions: BlockRegions | None):
-    """``backbone`` runs ``regions`` in its layer loop (:meth:`Backbone.layer`) inside the block; what it ran before
-    afterwards, also after an error (a later eager or model-scope decode of the same backbone must not run them)."""
-    if regions is None:
-        yield
-        return
-    before = backbone.block_regions
-    backbone.block_regions = regions
-    try:
-        yield
-    finally:
-        backbone.block_regions = before
-
-
-def window_front(blocks: Sequence[int], compacted_blocks: Sequence[int], compacted_masked: Sequence[int],
-                 block_size: int, extra: int, length: int) -> int:
-    """Host side: how many of the temporal history's first storage columns hold every masked position that the
-    rows' next dual window steps compute (:meth:`tdlm.temporal.history.TemporalCache.set_front`), from what the
-    host knows: each row's active block now (``blocks``), at its cache's last compaction (``compacted_blocks``)
-    and the masked positions that block had then (``compacted_masked``).
-
-    A row reveals only in its active block, so its masked positions are the active block's and every position
-    after it, and the columns (in position order) a compaction keeps are exactly those. So a row still in the
-    block it was in at the compaction has that block's masked positions in columns 0 .. n0 - 1; a row k0 < k
-    blocks on holds n0 + (k - k0 - 1) x block_size columns of revealed positions before its block and the block
-    after them. ``extra``: window positions past the block's end (Dream's window under prediction alignment, 1).
-    Rounded up as storage widths are (:func:`column_bucket`, at most ``length``, the response's positions)."""
-    most = 0
-    for k, k0, n0 in zip(blocks, compacted_blocks, compacted_masked, strict=True):
-        most = max(most, n0 if k == k0 else n0 + (k - k0) * block_size)
-    return column_bucket(most + extra, length)
-
-
-def _graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 @dataclass
@@ -399,14 +256,14 @@ def decode(
         # the loop and the step functions stay eager; the backbone's layers run the compiled regions. Inductor's
         # temporal step takes the written-out attention, as the model scope's does (TDLM.evaluate_groups).
         regions = block_regions(*spec)
-        steps = (_backbone_eval, _evaluate_written_out if spec[0] == "inductor" else None)
+        steps = (backbone_eval, evaluate_written_out if spec[0] == "inductor" else None)
     elif spec is not None:
         steps, graphs = compiled_steps(*spec), spec[1] in CUDA_GRAPH_MODES
     if spec is not None:
         limit = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
         patch = torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=limit,
                                            suppress_errors=False)  # fmt: skip
-    with patch, _regions_on(backbone, regions):
+    with patch, regions_on(backbone, regions):
         for group in groups:
             capacity = len(group) if batch_size is None else min(batch_size, len(group))
             run.group([prompts[i] for i in group], None if canvas is None else [canvas[i] for i in group], group,
@@ -455,11 +312,11 @@ class _Run:
         ``torch.compiler.cudagraph_mark_step_begin()``. Without the mark, in inference every call of a compiled step
         starts a new generation of the trees, which frees the previous call's outputs: an evaluation that runs a
         refresh group and a window group as two calls would then read the first group's logits after the second
-        call overwrote them (:func:`_merge_logits`). With it, the calls of one evaluation are one generation, and
+        call overwrote them (:func:`merge_logits`). With it, the calls of one evaluation are one generation, and
         nothing of an earlier evaluation's outputs is read after the next mark (each evaluation's logits are
         consumed before it ends)."""
         model, backbone, cfg, device = self.model, self.backbone, self.cfg, self.device
-        backbone_step, evaluate = steps if steps is not None else (_backbone_eval, None)
+        backbone_step, evaluate = steps if steps is not None else (backbone_eval, None)
         mask_id, G, bs = backbone.mask_token_id, cfg.gen_length, cfg.block_size
         Plan = StaticSlots if cfg.storage == "static" else DynamicRows
         P, S = Plan.shape(max(len(p) for p in prompts), capacity)  # the static plan's: buckets (static_plan.py)
@@ -538,7 +395,7 @@ class _Run:
         while any(not r.done for r in rows):
             if graphs:  # one cudagraph-trees generation per evaluation (see above)
                 torch.compiler.cudagraph_mark_step_begin()
-            t_eval, n_graphs = time.perf_counter(), _graphs_compiled()
+            t_eval, n_graphs = time.perf_counter(), graphs_compiled()
             x = plan.view(plan.ids)  # (b, L); the static plan's is the canvas itself, at its fixed address
             b = len(rows)
             a_mask = plan.view(plan.am) if padded else None
@@ -556,7 +413,7 @@ class _Run:
             cand = masked.gather(1, idx)
             positions = P + idx  # (b, bs) canvas positions whose logits are read
             blk_host, kv_host = [r.blk for r in rows], [r.kv for r in rows]
-            groups = _groups(plan.kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
+            groups = step_groups(plan.kv_cache, blk_host, kv_host, P + start, [P + k * bs for k in blk_host], bs, L,
                              backbone.logit_shift)  # fmt: skip
             for r, k in zip(rows, kv_host, strict=True):
                 r.kv = k
@@ -574,14 +431,14 @@ class _Run:
                 elif cfg.cache == "prefix":  # a prefix window holds every masked position of its rows
                     cache.set_front(cache.width)
                 outs = model.forward_groups(P, cache, [
-                    StepGroup(_rows(x, r), _rows(a_mask, r), _rows(positions, r), step, r) for r, step in groups
+                    StepGroup(rows_of(x, r), rows_of(a_mask, r), rows_of(positions, r), step, r) for r, step in groups
                 ], evaluate=evaluate)  # fmt: skip
             elif reuse is not None and reuse.feeds_inputs:
                 outs = reuse.evaluate(backbone_step, backbone, x, a_mask, groups, P, start, bs, evals)
             else:
-                outs = [backbone_step(backbone, _rows(x, r), _rows(a_mask, r), _rows(positions, r), step)
+                outs = [backbone_step(backbone, rows_of(x, r), rows_of(a_mask, r), rows_of(positions, r), step)
                         for r, step in groups]  # fmt: skip
-            blk_logits = _merge_logits(groups, outs, b)  # (b, bs, V)
+            blk_logits = merge_logits(groups, outs, b)  # (b, bs, V)
             plan.count(masked)
             nfe_rows = plan.view(plan.nfe)
             logp = torch.log_softmax(blk_logits.double() if reuse is None else reuse.logits(blk_logits, cand, blk), -1)
@@ -625,7 +482,7 @@ class _Run:
                                 f"{next(backbone.parameters()).dtype}; float16 overflows bf16-trained LLaDA / "
                                 f"Dream: use bfloat16 or float32")  # fmt: skip
             now = time.perf_counter()
-            if _graphs_compiled() != n_graphs:
+            if graphs_compiled() != n_graphs:
                 clock["excluded"] += now - t_eval
             elapsed = now - t0 - clock["excluded"]
             self.stats.evaluations += 1
@@ -646,7 +503,7 @@ class _Run:
             if finished:
                 # Their responses, reveal steps and NFE copied on the device now (the next admission may write their
                 # slots), read back with the next evaluation's sync, or once after the last one.
-                slots = _index([rows[i].slot for i in finished], device)
+                slots = index_tensor([rows[i].slot for i in finished], device)
                 stage = torch.cat([plan.ids[slots, P:], plan.reveal[slots], plan.nfe[slots, None]], 1)
                 pending = ([rows[i] for i in finished], [elapsed - rows[i].start for i in finished], stage)
                 for i in finished:
@@ -661,7 +518,7 @@ class _Run:
                 if len(keep) < len(rows):
                     plan.leave(keep)
                     rows[:] = [rows[i] for i in keep]
-                    still = still[_index(keep, device)] if keep else still[:0]
+                    still = still[index_tensor(keep, device)] if keep else still[:0]
             # A dual window step reads only the front, so dropping columns inside a block would save only the next
             # refresh's work, for a copy of the whole storage (about 3% of an evaluation at the medium bench shape on
             # this CPU, docs/decoding.md): under the dual cache the loop compacts once a row has changed block. Nor

@@ -149,7 +149,7 @@ class DynamicRows:
         self.reveal[self.active] = reveal
 
     def set_dual_front(self, front: int, most: int, window: int) -> None:
-        """The temporal history's front for the next dual window step (:func:`tdlm.decoding.loop.window_front`):
+        """The temporal history's front for the next dual window step (:func:`tdlm.decoding.step_groups.window_front`):
         aligned rows for a batch of one row in order, else a view of ``front`` columns unless that is more than
         ``most`` (the step then gathers its positions' columns)."""
         if self.in_order:  # the block's columns are the window's rows from (logit shift - offset), in order

@@ -125,7 +125,7 @@ def spatial_attention(
 @dataclass(frozen=True)
 class BlockRegions:
     """A backbone's repeated pieces compiled once and reused by every layer (decode ``compile_scope="block"``,
-    :func:`tdlm.decoding.loop.block_regions`): the layer loop stays eager and calls these in place of the block's
+    :func:`tdlm.decoding.compiled.block_regions`): the layer loop stays eager and calls these in place of the block's
     own methods (:meth:`Backbone.layer`). Dynamo caches one graph per step kind for the shared code; parameters are
     graph inputs, so layer 31 reuses layer 0's graph."""
 
@@ -163,7 +163,7 @@ class Backbone(nn.Module):
     backbone_id: str = ""
     supports_kv_cache: bool = False  # blocks call spatial_attention with their layer index (tdlm/models/kv_cache.py)
     # The compiled regions :meth:`layer` runs instead of the block's methods; set by a decode with
-    # compile_scope="block" for its duration only (tdlm.decoding.loop.block_regions), None otherwise.
+    # compile_scope="block" for its duration only (tdlm.decoding.compiled.block_regions), None otherwise.
     block_regions: BlockRegions | None = None
 
     blocks: nn.ModuleList

@@ -164,7 +164,8 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
     (``'tdlm'``, a history preallocated by ``new_cache(B, length=G)`` after ``steps_done`` evaluations), then
     the loop's float64 confidence of the block. With a spatial cache the block's refresh runs first and the
     window step is traced separately (``window`` key); ``eval`` is the refresh / the uncached evaluation."""
-    from tdlm.decoding.loop import _backbone_eval, window_front
+    from tdlm.decoding.compiled import backbone_eval
+    from tdlm.decoding.step_groups import window_front
     from tdlm.models.kv_cache import KVStep, SpatialKVCache
 
     shape = shape or DECODE
@@ -216,7 +217,7 @@ def trace_decode(model: TDLM, mode: FakeTensorMode, policy: str, cache_mode: str
             if policy == "tdlm":
                 logits = model.forward_groups(P, cache, [StepGroup(ids, None, positions, step, None)])[0]
             else:
-                logits = _backbone_eval(bb, ids, None, positions, step)
+                logits = backbone_eval(bb, ids, None, positions, step)
             conf, x0 = torch.log_softmax(logits.double(), dim=-1).max(-1)  # the loop's confidence (float64)
             del conf, x0, logits
             tot = ledger.totals()

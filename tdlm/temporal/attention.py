@@ -124,7 +124,7 @@ def step_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bi
     softmax, weighted sum of values), which inductor fuses into one kernel that reads each key and value once:
     these are P M tiny problems of one query (P = batch x response positions, 5,600 at the demo's shape), where
     the fused SDPA kernel pays per problem (16 against 10 ms per layer at the demo's shape, CPU;
-    ``docs/decoding.md``). The decoding loop's inductor step uses it (:func:`tdlm.decoding.loop.compiled_steps`);
+    ``docs/decoding.md``). The decoding loop's inductor step uses it (:func:`tdlm.decoding.compiled.compiled_steps`);
     eager and the debugging backends keep SDPA, so they decode eager's tokens bit for bit. The two agree to fp32
     rounding (``tests/test_fused_attention.py``), which can still flip a confidence that sits on the threshold."""
     if not written_out:

@@ -328,7 +328,7 @@ class TemporalCache:
     def set_front(self, columns: int | None, aligned: bool = False) -> None:
         """Host side, before an evaluation: promise that the first ``columns`` storage columns of every row hold
         each masked position its next window step computes (None: no promise). The decoding loop knows this
-        from its blocks (:func:`tdlm.decoding.loop.window_front`): columns are in position order and a row's
+        from its blocks (:func:`tdlm.decoding.step_groups.window_front`): columns are in position order and a row's
         masked positions are its active block's and everything after it, so the block's columns come first once
         the revealed positions before it have been compacted away. A window step then attends over a narrow
         view of the storage, ``kv[:, :columns]``, instead of gathering its positions' columns: no copy of the
