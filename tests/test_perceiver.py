@@ -10,7 +10,7 @@ import torch
 
 import tdlm
 from tdlm.temporal.adapter_files import ADAPTER_CONFIG
-from tdlm.temporal.history import LatentCache
+from tdlm.temporal.latent_cache import LatentCache
 from tdlm.temporal.perceiver import (
     ClampedRMSNorm,
     LatentMemory,

@@ -88,7 +88,7 @@ class DynamicRows:
 
     def can_join(self, rows: int) -> bool:
         """Whether requests may join a batch of ``rows`` rows now: a recurrent ``latent:M`` history only into an empty
-        batch (:meth:`tdlm.temporal.history.LatentCache.extend`)."""
+        batch (:meth:`tdlm.temporal.latent_cache.LatentCache.extend`)."""
         return rows == 0 or not (self.cfg.policy == "tdlm" and self.model.policy.recurrent)
 
     def admit(self, slots: list[int], ids: torch.Tensor, am: torch.Tensor) -> None:

@@ -59,7 +59,8 @@ from tdlm.temporal import adapter_files
 from tdlm.temporal.adapter_files import check_history_switch, resolve_adapter
 from tdlm.temporal.attention import TemporalAttention, resolve_layers, temporal_parameter_count
 from tdlm.temporal.card import write_card
-from tdlm.temporal.history import HistoryPolicy, LatentCache, TemporalCache
+from tdlm.temporal.history import HistoryPolicy, TemporalCache
+from tdlm.temporal.latent_cache import LatentCache
 from tdlm.temporal.perceiver import LatentMemory, perceiver_parameter_count
 from tdlm.temporal.storage import (
     StaticHistories,

@@ -22,7 +22,8 @@ import torch
 
 from tdlm.errors import TDLMError
 from tdlm.models.kv_cache import KVStep
-from tdlm.temporal.history import HistoryPolicy, LatentCache, TemporalCache
+from tdlm.temporal.history import HistoryPolicy, TemporalCache
+from tdlm.temporal.latent_cache import LatentCache
 
 
 def make_cache(policy: HistoryPolicy, batch_size: int) -> TemporalCache:
