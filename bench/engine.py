@@ -303,6 +303,30 @@ def addresses(n: int, batch: int) -> dict:
             "moved": moved, "graphs_after_warmup": warm, "graphs_after_all": after}  # fmt: skip
 
 
+def targets_of(result: dict) -> dict:
+    """Each target's value, bound and verdict from the parts of ``result``."""
+    sp, ad, inv = result["speed"]["policies"], result["addresses"], result["invariance"]
+    targets = {"invariance_mismatches": {"value": inv["mismatches"], "bound": "== 0", "met": inv["mismatches"] == 0}}
+    for policy, row in sp.items():
+        occ = row["candidates"]["refill@dynamic"]["occupancy"]
+        targets[f"occupancy_{policy}"] = {"value": occ, "bound": ">= 0.9", "met": occ >= 0.9,
+                                          "chunked": row["candidates"]["chunked@dynamic"]["occupancy"]}  # fmt: skip
+        if "occupancy" in result:  # the same bound at one demo evaluation run's request count, beside it
+            o = result["occupancy"]
+            targets[f"occupancy_{policy}"]["at_demo_size"] = {
+                "requests": o["requests"], "value": o["policies"][policy]["refill"],
+                "met": o["policies"][policy]["refill"] >= 0.9, "chunked": o["policies"][policy]["chunked"]}
+        r = row["refill_over_chunked"]["dynamic"]
+        targets[f"throughput_{policy}"] = {"value": r, "bound": ">= 1.25", "met": r >= 1.25}
+        d = row["dynamic_over_static_refill"]
+        targets[f"static_within_1.10_{policy}"] = {"value": d, "bound": "<= 1.10", "met": d <= 1.10,
+                                                   "chunked": row["dynamic_over_static_chunked"]}  # fmt: skip
+    targets["addresses"] = {"value": len(ad["moved"]), "bound": "== 0 arguments moved", "met": not ad["moved"]}
+    targets["graphs_after_warmup"] = {"value": ad["graphs_after_all"] - ad["graphs_after_warmup"], "bound": "== 0",
+                                      "met": ad["graphs_after_all"] == ad["graphs_after_warmup"]}  # fmt: skip
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--adapter", type=Path, default=REPO / "runs/demo/train/adapter",
@@ -339,26 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         result["addresses"] = addresses(args.admissions, 8)
     if "invariance" in parts:
         result["invariance"] = invariance(args.invariance_prompts, 16)
-    sp, ad, inv = result["speed"]["policies"], result["addresses"], result["invariance"]
-    targets = {"invariance_mismatches": {"value": inv["mismatches"], "bound": "== 0", "met": inv["mismatches"] == 0}}
-    for policy, row in sp.items():
-        occ = row["candidates"]["refill@dynamic"]["occupancy"]
-        targets[f"occupancy_{policy}"] = {"value": occ, "bound": ">= 0.9", "met": occ >= 0.9,
-                                          "chunked": row["candidates"]["chunked@dynamic"]["occupancy"]}  # fmt: skip
-        if "occupancy" in result:  # the same bound at one demo evaluation run's request count, beside it
-            o = result["occupancy"]
-            targets[f"occupancy_{policy}"]["at_demo_size"] = {
-                "requests": o["requests"], "value": o["policies"][policy]["refill"],
-                "met": o["policies"][policy]["refill"] >= 0.9, "chunked": o["policies"][policy]["chunked"]}
-        r = row["refill_over_chunked"]["dynamic"]
-        targets[f"throughput_{policy}"] = {"value": r, "bound": ">= 1.25", "met": r >= 1.25}
-        d = row["dynamic_over_static_refill"]
-        targets[f"static_within_1.10_{policy}"] = {"value": d, "bound": "<= 1.10", "met": d <= 1.10,
-                                                   "chunked": row["dynamic_over_static_chunked"]}  # fmt: skip
-    targets["addresses"] = {"value": len(ad["moved"]), "bound": "== 0 arguments moved", "met": not ad["moved"]}
-    targets["graphs_after_warmup"] = {"value": ad["graphs_after_all"] - ad["graphs_after_warmup"], "bound": "== 0",
-                                      "met": ad["graphs_after_all"] == ad["graphs_after_warmup"]}  # fmt: skip
-    result["targets"] = targets
+    result["targets"] = targets = targets_of(result)
     for k, v in targets.items():
         print(f"target {k}: {v['value']} ({v['bound']}): {'met' if v['met'] else 'NOT met'}")
         if "at_demo_size" in v:

@@ -409,3 +409,18 @@ def demo_recipes(d: dict) -> list[str]:
         out.append(row(name, teacher, c["recipe"]["updates"], best_s, tau9,
                        f"{loss['first_50']:.3f} → {loss['last_50']:.3f}"))  # fmt: skip
     return out
+
+
+def engine_occupancy(d: dict) -> dict[str, str]:
+    o = d["occupancy"]
+    p = o["policies"]
+    return {"requests": str(o["requests"]), "batch": str(o["batch_size"]),
+            "th": f"{p['threshold']['refill']:.3f}", "tdlm": f"{p['tdlm']['refill']:.3f}",
+            "th_c": f"{p['threshold']['chunked']:.3f}", "tdlm_c": f"{p['tdlm']['chunked']:.3f}"}  # fmt: skip
+
+
+def engine_invariance(d: dict) -> dict[str, str]:
+    inv = d["invariance"]
+    prompts = {r["requests"] for r in inv["rows"]}
+    return {"prompts": f"{max(prompts):,}", "mismatches": f"{inv['mismatches']:,}",
+            "results": f"{sum(r['requests'] for r in inv['rows']):,}"}  # fmt: skip

@@ -157,6 +157,13 @@ FACTS: list[Fact] = [
     Fact("against_self", "docs/decoding.md", (R + "decode_speed_against.json", R +
          "decode_speed_against_medium_quiet.json", R + "decode_speed_against_self.json"),
          "`decode_speed_against_self.json`) spread {self_lo} to {self_hi}", renderers.against_spans),
+    Fact("engine_occupancy", "docs/decoding.md", (R + "engine.json",),
+         "size of one run of the demo's evaluation ({requests} problems, `python bench/engine.py --parts occupancy "
+         "--adapter ...`, untimed, `occupancy` in the JSON): {th} / {tdlm} with refill against {th_c} / {tdlm_c} in "
+         "chunks of {batch}, every", renderers.engine_occupancy),
+    Fact("engine_invariance", "docs/decoding.md", (R + "engine.json",),
+         "The invariance check ({prompts} prompts x 5 policies x 3 caches x 2 plans x 2 backbones, float64): "
+         "{mismatches} of {results} results differ from per-request decoding", renderers.engine_invariance),
 ]
 
 
