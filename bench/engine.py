@@ -6,14 +6,14 @@ Commands (from the repository root, venv active)::
     python bench/engine.py --quick --adapter ...                              # small sizes; prints only
     python bench/engine.py --parts addresses --adapter ...                    # rerun one part, keep the others
 
-**Invariance.** ``--invariance-prompts`` (128; the issue asks 512, which takes about an hour on this CPU) prompts: the
-tiny-multi test prompts' (then validation prompts') token ids (tiny-multi's own tokenizer and chat template), mapped
-into the tiny backbones' vocabulary (id mod (V - 4) + 4: no special id), in a seeded random arrival order, through
-``decode(..., batch_size=16)`` (refill) for policies original, threshold, tdlm (a seeded random adapter, history
-``full``), credit and soft x cache none, prefix, dual x storage dynamic, static x tiny LLaDA and tiny Dream (both with a
-sharpened head, as the tests'), 32 tokens in blocks of 8, tau 0.9: every request's tokens, NFE and reveal steps against
-its own ``decode()``. In float64, so that last-bit differences of two batch shapes cannot decide a near-tie
-(tests/conftest.py says why).
+**Invariance.** ``--invariance-prompts`` (128 by default; 512, as the issue asks, took 42 min here on one thread)
+prompts: the tiny-multi test prompts' (then validation prompts') token ids (tiny-multi's own tokenizer and chat
+template), mapped into the tiny backbones' vocabulary (id mod (V - 4) + 4: no special id), in a seeded random arrival
+order, through ``decode(..., batch_size=16)`` (refill) for policies original, threshold, tdlm (a seeded random adapter,
+history ``full``), credit and soft x cache none, prefix, dual x storage dynamic, static x tiny LLaDA and tiny Dream
+(both with a sharpened head, as the tests'), 32 tokens in blocks of 8, tau 0.9: every request's tokens, NFE and reveal
+steps against its own ``decode()``. In float64, so that last-bit differences of two batch shapes cannot decide a
+near-tie (tests/conftest.py says why).
 
 **Occupancy and throughput** on the demo's evaluation: tiny-multi (fp32) with ``--adapter`` (the demo recipe's adapter),
 the first ``--requests`` (150: three waves of 50) multi test problems, 56 tokens in one block, batch ``--batch`` (50,
