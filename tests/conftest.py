@@ -132,14 +132,14 @@ SLOW_TIMEOUT_S = 1800.0  # slow tests launch DeepSpeed / Ray / the whole demo (i
 HARD_GRACE_S = 120.0  # the backstop below fires this long after a test's own limit
 
 
-# The files whose slow tests take longest, longest first (a clean-clone `make test` here, 2026-12-07: Ray cluster
-# losses 288 s, GPU check 200 s, on-policy kills 196 s, demo 172 s, training ...). Both passes of `make test` run in
-# pytest-xdist workers with --dist loadfile, which hands out files in collection order: a long file handed out last
-# runs alone while the other workers idle, so these go first (longest-processing-time-first). The order is the same
-# in every worker, as xdist requires.
-LONGEST_FIRST = ("test_ray_cluster.py", "test_gpu_check.py", "test_onpolicy_job.py", "test_demo.py",
-                 "test_training.py", "test_full_disk.py", "test_sweep.py", "test_multinode_training.py",
-                 "test_generation.py", "test_quickstart.py", "test_memory.py")  # fmt: skip
+# The files whose slow tests take longest, longest first (a clean-clone `make test` here, 2026-12-07 22:24: Ray cluster
+# losses 333 s with their set-up, demo 305 s, on-policy kills 222 s, allocation sweep 142 s, GPU check 124 s, ...). Both
+# passes of `make test` run in pytest-xdist workers with --dist loadfile, which hands out files in collection order: a
+# long file handed out last runs alone while the other workers idle, so these go first (longest-processing-time-first).
+# The order is the same in every worker, as xdist requires.
+LONGEST_FIRST = ("test_ray_cluster.py", "test_demo.py", "test_onpolicy_job.py", "test_sweep.py", "test_gpu_check.py",
+                 "test_training.py", "test_multinode_training.py", "test_generation.py", "test_quickstart.py",
+                 "test_full_disk.py", "test_memory.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
